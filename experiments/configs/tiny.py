@@ -1,0 +1,35 @@
+"""CPU default: a tiny Qwen3-MoE trained from scratch with unified block-FP8 on a built-in task.
+
+python -m jaxrl_fp8.train --config=experiments/configs/tiny.py
+Nothing is downloaded: the model is randomly initialised and the task ships with the package.
+"""
+
+from jaxrl_fp8.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.workdir = "runs/tiny"
+    c.recipe = "fp8_block"  # unified: rollout and training forward both block-FP8 (CPU: the contract's XLA path)
+    c.total_steps = 60
+    c.model.hidden_size = 128  # multiple of 128, so FP8 blocks are full
+    c.model.num_hidden_layers = 2
+    c.model.num_attention_heads = 4
+    c.model.num_key_value_heads = 2
+    c.model.head_dim = 32
+    c.model.num_experts = 4
+    c.model.num_experts_per_tok = 2
+    c.model.moe_intermediate_size = 128
+    c.model.intermediate_size = 256
+    c.data.task = "copy"
+    c.data.num_digits = 2
+    c.data.prompts_per_step = 16
+    c.rollout.n_samples = 8
+    c.rollout.max_new_tokens = 4
+    c.rl.learning_rate = 3e-3
+    c.rl.num_minibatches = 2
+    c.rl.warmup_steps = 0
+    c.rl.grad_clip = 1.0
+    c.checkpoint.every_steps = 20
+    c.logging.eval_every_steps = 20
+    return c

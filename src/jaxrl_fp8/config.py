@@ -1,0 +1,182 @@
+"""The training job's configuration: defaults (`base_config`) and validation before any compute.
+
+Config files in experiments/configs/ start from `base_config()` and change what their recipe needs; every
+key is documented here, and `validate_config` names the offending key (`config.rl.eps_clip`) on bad values.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from jaxrl_fp8.precision import RECIPES
+
+__all__ = ["base_config", "validate_config", "ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot run; the message names the key."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.workdir = "runs/default"  # metrics.jsonl, tensorboard/, checkpoints/, plots/, export/
+    c.seed = 0
+    c.total_steps = 100  # RL steps (one rollout batch + its optimizer updates each)
+    c.recipe = "fp8_block"  # a name in jaxrl_fp8.precision.RECIPES
+    c.emulate = ml_collections.config_dict.placeholder(bool)  # override the recipe's emulate flag
+    c.hardware = "auto"  # auto | cpu | hopper | blackwell | ampere | amd (validates the recipe)
+
+    c.model = ml_collections.ConfigDict()
+    c.model.checkpoint = ""  # HF directory (BF16/FP32 or block-FP8); empty: random init from model.* below
+    c.model.dtype = "float32"  # compute dtype of activations; masters are always FP32
+    c.model.hidden_size = 64
+    c.model.num_hidden_layers = 2
+    c.model.num_attention_heads = 4
+    c.model.num_key_value_heads = 2
+    c.model.head_dim = 16
+    c.model.num_experts = 4
+    c.model.num_experts_per_tok = 2
+    c.model.moe_intermediate_size = 64
+    c.model.intermediate_size = 128
+    c.model.decoder_sparse_step = 1
+    c.model.mlp_only_layers = ()
+    c.model.norm_topk_prob = True
+    c.model.tie_word_embeddings = False
+    c.model.rope_theta = 10000.0
+    c.model.init_std = 0.02
+
+    c.precision = ml_collections.ConfigDict()
+    c.precision.num_layers_at_start_in_bf16 = 0
+    c.precision.num_layers_at_end_in_bf16 = 0
+    c.precision.extra_high_precision_layers_hf = ()
+    c.precision.extra_high_precision_layers_trainer = ()
+    c.precision.precision_config = ""  # JSON/YAML rules file, see jaxrl_fp8.precision.policy
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "synthetic"  # synthetic | jsonl | parquet
+    c.data.task = "copy"  # synthetic task: copy | reverse | add
+    c.data.num_digits = 2
+    c.data.path = ""  # dataset file for jsonl/parquet
+    c.data.prompt_key = "prompt"
+    c.data.answer_key = "label"
+    c.data.skip_malformed = False  # False: a bad row stops with file:line; True: skipped and counted
+    c.data.tokenizer = ""  # directory with tokenizer.json (default: the checkpoint's; built-in for synthetic)
+    c.data.prompts_per_step = 8
+    c.data.max_prompt_tokens = 64
+    c.data.reward = "positional_match"  # math | exact_match | positional_match | package.module:function
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.engine = "embedded"  # embedded | sglang
+    c.rollout.sglang_urls = ()  # http://host:port of each SGLang server (engine=sglang)
+    c.rollout.weight_sync_dir = ""  # shared directory the converter writes for /update_weights_from_disk
+    c.rollout.n_samples = 8  # responses per prompt (the GRPO group)
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = -1
+    c.rollout.max_new_tokens = 8
+    c.rollout.routing_replay = True  # R3: replay rollout expert selection in the trainer
+    c.rollout.max_batch = 256
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.advantage = "grpo"  # grpo | rloo | reinforce
+    c.rl.std_normalize = True  # GRPO: divide by the group std (+1e-6)
+    c.rl.eps_clip = 0.2
+    c.rl.eps_clip_high = 0.28
+    c.rl.dual_clip_c = 0.0  # > 1 enables dual clip; 0 disables
+    c.rl.use_tis = True
+    c.rl.tis_clip = 2.0
+    c.rl.tis_clip_low = 0.0
+    c.rl.kl_coef = 0.0  # KL to the frozen initial policy
+    c.rl.kl_type = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
+    c.rl.entropy_coef = 0.0
+    c.rl.loss_agg = "token_mean"  # token_mean | seq_mean_token_mean
+    c.rl.num_minibatches = 1  # optimizer steps per rollout batch
+    c.rl.learning_rate = 1e-6
+    c.rl.lr_schedule = "constant"  # constant | cosine
+    c.rl.warmup_steps = 0
+    c.rl.weight_decay = 0.0
+    c.rl.adam_b1 = 0.9
+    c.rl.adam_b2 = 0.98
+    c.rl.adam_eps = 1e-8
+    c.rl.grad_clip = 1.0
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 50
+    c.checkpoint.keep = 3
+    c.checkpoint.async_save = True
+    c.checkpoint.resume = True  # continue from the latest checkpoint in workdir if there is one
+    c.checkpoint.export_final_hf = True  # HF safetensors in BF16 and in the recipe's rollout format at the end
+
+    c.logging = ml_collections.ConfigDict()
+    c.logging.tensorboard = True
+    c.logging.progress_bar = True
+    c.logging.plot_at_end = True
+    c.logging.eval_every_steps = 0  # greedy eval on held-out prompts; 0 disables
+    c.logging.eval_prompts = 64
+    return c
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"config.{key}: {message}")
+
+
+def validate_config(c: ml_collections.ConfigDict) -> None:
+    """Raise ConfigError naming the key of the first value that cannot run. Cheap: no arrays, no files read."""
+    _check(c.recipe in RECIPES, "recipe", f"{c.recipe!r} is not a recipe; choose one of {', '.join(RECIPES)}")
+    _check(c.hardware in ("auto", "cpu", "hopper", "blackwell", "ampere", "amd"), "hardware", f"{c.hardware!r} is not a hardware family")
+    _check(c.total_steps >= 1, "total_steps", f"must be >= 1, got {c.total_steps}")
+    _check(bool(c.workdir), "workdir", "must be set")
+    m = c.model
+    _check(m.dtype in ("float32", "bfloat16"), "model.dtype", f"{m.dtype!r}: use float32 or bfloat16")
+    if m.checkpoint:
+        _check(os.path.isdir(m.checkpoint), "model.checkpoint", f"{m.checkpoint!r} is not a directory")
+        _check(os.path.exists(os.path.join(m.checkpoint, "config.json")), "model.checkpoint", f"{m.checkpoint!r} has no config.json")
+    else:
+        _check(m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
+               f"{m.num_key_value_heads} does not divide num_attention_heads={m.num_attention_heads}")
+        _check(0 < m.num_experts_per_tok <= max(m.num_experts, 1), "model.num_experts_per_tok", f"must be in [1, num_experts={m.num_experts}]")
+    d = c.data
+    _check(d.source in ("synthetic", "jsonl", "parquet"), "data.source", f"{d.source!r}: synthetic | jsonl | parquet")
+    if d.source == "synthetic":
+        _check(d.task in ("copy", "reverse", "add"), "data.task", f"{d.task!r}: copy | reverse | add")
+    else:
+        _check(os.path.isfile(d.path), "data.path", f"{d.path!r} is not a file")
+    _check(d.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
+    r = c.rollout
+    _check(r.engine in ("embedded", "sglang"), "rollout.engine", f"{r.engine!r}: embedded | sglang")
+    if r.engine == "sglang":
+        _check(len(r.sglang_urls) > 0, "rollout.sglang_urls", "engine=sglang needs at least one server URL")
+        _check(bool(r.weight_sync_dir), "rollout.weight_sync_dir", "engine=sglang needs a shared directory for weight updates")
+    _check(r.n_samples >= 2 or c.rl.advantage == "reinforce", "rollout.n_samples", "group advantages need >= 2 samples per prompt")
+    _check(r.temperature > 0, "rollout.temperature", "must be > 0")
+    _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    rl = c.rl
+    _check(rl.advantage in ("grpo", "rloo", "reinforce"), "rl.advantage", f"{rl.advantage!r}: grpo | rloo | reinforce")
+    _check(0 < rl.eps_clip < 1, "rl.eps_clip", "must be in (0, 1)")
+    _check(rl.eps_clip_high > 0, "rl.eps_clip_high", "must be > 0")
+    _check(rl.dual_clip_c == 0 or rl.dual_clip_c > 1, "rl.dual_clip_c", "must be 0 (off) or > 1")
+    _check(0 <= rl.tis_clip_low < rl.tis_clip, "rl.tis_clip", f"need 0 <= tis_clip_low < tis_clip, got {rl.tis_clip_low}, {rl.tis_clip}")
+    _check(rl.kl_type in ("k1", "k2", "k3", "low_var_kl"), "rl.kl_type", f"{rl.kl_type!r}")
+    _check(rl.loss_agg in ("token_mean", "seq_mean_token_mean"), "rl.loss_agg", f"{rl.loss_agg!r}")
+    _check(rl.learning_rate > 0, "rl.learning_rate", "must be > 0")
+    _check(rl.lr_schedule in ("constant", "cosine"), "rl.lr_schedule", f"{rl.lr_schedule!r}: constant | cosine")
+    _check(rl.num_minibatches >= 1, "rl.num_minibatches", "must be >= 1")
+    total = d.prompts_per_step * r.n_samples
+    _check(total % rl.num_minibatches == 0, "rl.num_minibatches", f"must divide prompts_per_step*n_samples={total}")
+    _check(rl.grad_clip >= 0, "rl.grad_clip", "must be >= 0 (0 disables)")
+    _check(c.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+    _check(c.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+    # the recipe against the hardware: before any compute
+    from jaxrl_fp8.precision import get_recipe
+
+    recipe = get_recipe(c.recipe, **({} if c.emulate is None else {"emulate": c.emulate}))
+    if c.hardware != "auto":
+        try:
+            recipe.validate_for(c.hardware)
+        except ValueError as e:
+            raise ConfigError(f"config.recipe: {e}") from e
+

@@ -1,0 +1,257 @@
+"""The unified low-precision RL loop (one step):
+
+    prompts -> rollout engine (weights v, rollout format) -> rewards -> group advantages
+    -> old log-probs recomputed in the training format with R3 replay (and mismatch metrics vs rollout)
+    -> minibatch updates: PPO clip x TIS (+ KL, entropy), grads in the recipe's backward mode,
+       optax AdamW on FP32 masters (non-finite steps skipped and counted)
+    -> push weights through the contract to the engine (version v+1) -> metrics, checkpoint.
+
+The trainer only sees the `RolloutEngine` protocol; which engine runs is `train.py`'s choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxrl_fp8.model.numerics import log_softmax
+from jaxrl_fp8.precision.arith import ieee_div
+from jaxrl_fp8.rl import advantages as adv_lib
+from jaxrl_fp8.rl.batch import TrainBatch, build_batch
+from jaxrl_fp8.rl.losses import PolicyLossConfig, policy_loss
+from jaxrl_fp8.rl.mismatch import mismatch_metrics
+from jaxrl_fp8.rl.rewards import compute_rewards
+from jaxrl_fp8.rollout.types import SamplingParams
+
+__all__ = ["TrainerSettings", "Trainer", "token_logprobs", "make_optimizer"]
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """log softmax(logits / temperature)[target], float32, row invariant (the rollout engine uses the same)."""
+    z = logits.astype(jnp.float32)
+    if temperature != 1.0:
+        z = ieee_div(z, temperature)
+    logp = log_softmax(z)
+    return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def _entropy(logits: jax.Array, temperature: float) -> jax.Array:
+    z = logits.astype(jnp.float32) / temperature
+    logp = jax.nn.log_softmax(z, axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    total_steps: int
+    prompts_per_step: int
+    n_samples: int
+    seq_len: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    routing_replay: bool
+    advantage: str
+    std_normalize: bool
+    num_minibatches: int
+    loss: PolicyLossConfig
+    backward: str
+    compute_dtype: Any
+    seed: int
+    eval_every_steps: int = 0
+    use_ref: bool = False
+
+
+def make_optimizer(rl_cfg, total_updates: int) -> tuple[optax.GradientTransformation, Callable]:
+    lr = rl_cfg.learning_rate
+    if rl_cfg.lr_schedule == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(rl_cfg.warmup_steps, 1), max(total_updates, 2), end_value=0.1 * lr)
+    elif rl_cfg.warmup_steps:
+        schedule = optax.linear_schedule(0.0, lr, rl_cfg.warmup_steps)
+    else:
+        schedule = optax.constant_schedule(lr)
+    chain = [optax.clip_by_global_norm(rl_cfg.grad_clip)] if rl_cfg.grad_clip > 0 else []
+    chain.append(optax.adamw(schedule, b1=rl_cfg.adam_b1, b2=rl_cfg.adam_b2, eps=rl_cfg.adam_eps, weight_decay=rl_cfg.weight_decay))
+    return optax.chain(*chain), schedule
+
+
+class Trainer:
+    """Owns the FP32 masters and optimizer state; drives rollout, scoring and updates."""
+
+    def __init__(self, *, model, settings: TrainerSettings, optimizer, schedule, engine, tokenizer, loader, reward_fn,
+                 train_policy, rollout_version_prefix: str = "v", eval_records=None):
+        self.s = settings
+        self.graphdef, params = nnx.split(model)
+        self.params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)  # FP32 masters
+        self.ref_params = self.params if settings.use_ref else None
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.opt_state = optimizer.init(self.params)
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.loader = loader
+        self.reward_fn = reward_fn
+        self.train_policy = train_policy
+        self.cfg = model.cfg
+        self.step = 0
+        self.skipped_updates = 0
+        self.eval_records = eval_records or []
+        self._version_prefix = rollout_version_prefix
+        self._logprob_jit = jax.jit(self._logprobs)
+        self._update_jit = jax.jit(self._update)
+
+    # -- pure pieces (jitted) -----------------------------------------------------------------------
+    def compute_params(self, params):
+        """The values the forward multiplies: masters cast to the compute dtype (quantization happens in ops)."""
+        return jax.tree.map(lambda x: x.astype(self.s.compute_dtype), params)
+
+    def _forward_logprobs(self, params, tokens, routed):
+        model = nnx.merge(self.graphdef, self.compute_params(params))
+        out = model(tokens, routed_experts=routed, policy=self.train_policy, backward=self.s.backward)
+        logits = out.logits[:, :-1]
+        return token_logprobs(logits, tokens[:, 1:], self.s.temperature), logits
+
+    def _logprobs(self, params, tokens, routed):
+        return self._forward_logprobs(params, tokens, routed)[0]
+
+    def _update(self, params, opt_state, mb, num_tokens):
+        def loss_fn(p):
+            logp, logits = self._forward_logprobs(p, mb["tokens"], mb.get("routed"))
+            ent = _entropy(logits, self.s.temperature) if self.s.loss.entropy_coef > 0 else None
+            return policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"], self.s.loss,
+                               rollout_logp=mb["rollout_logp"] if self.s.loss.use_tis else None,
+                               ref_logp=mb.get("ref_logp"), entropy=ent, num_tokens=num_tokens)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite.astype(jnp.float32))
+        return keep(new_params, params), keep(new_opt, opt_state), metrics
+
+    # -- one RL step ----------------------------------------------------------------------------------
+    def sampling(self, step: int, greedy: bool = False) -> SamplingParams:
+        stop = tuple(self.tokenizer.stop_ids)
+        return SamplingParams(temperature=0.0 if greedy else self.s.temperature, top_p=self.s.top_p, top_k=self.s.top_k,
+                              max_new_tokens=self.s.max_new_tokens, stop_token_ids=stop,
+                              n=1 if greedy else self.s.n_samples, seed=(self.s.seed * 1_000_003 + step) % (2**31 - 1))
+
+    def rollout(self, batch, step: int):
+        prompts = [list(map(int, ids)) for ids in batch.prompt_ids]
+        samples = self.engine.generate(prompts, self.sampling(step), return_routed_experts=self.s.routing_replay)
+        responses = [self.tokenizer.decode(list(map(int, s.response_ids))) for s in samples]
+        n = self.s.n_samples
+        rewards = compute_rewards(self.reward_fn, [batch.prompts[i // n] for i in range(len(samples))], responses,
+                                  [batch.answers[i // n] for i in range(len(samples))])
+        return samples, rewards
+
+    def advantages(self, rewards: np.ndarray) -> np.ndarray:
+        if self.s.advantage == "grpo":
+            return np.asarray(adv_lib.grpo_advantages(rewards, self.s.n_samples, std_normalize=self.s.std_normalize))
+        if self.s.advantage == "rloo":
+            return np.asarray(adv_lib.rloo_advantages(rewards, self.s.n_samples))
+        return np.asarray(adv_lib.reinforce_advantages(rewards))
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        step = self.step
+        prompt_batch = next(self.loader)
+        samples, rewards = self.rollout(prompt_batch, step)
+        t_rollout = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        tb: TrainBatch = build_batch(samples, rewards, self.s.seq_len, self.tokenizer.pad_id, num_layers=self.cfg.num_hidden_layers,
+                                     top_k=max(self.cfg.num_experts_per_tok, 1), with_routing=self.s.routing_replay)
+        adv = self.advantages(tb.rewards)
+        tokens = jnp.asarray(tb.tokens)
+        routed = jnp.asarray(tb.routed_experts) if tb.routed_experts is not None else None
+        old_logp = self._logprob_jit(self.params, tokens, routed)
+        mask = jnp.asarray(tb.response_mask)
+        rollout_logp = jnp.asarray(tb.rollout_logp)
+        mm = mismatch_metrics(old_logp, rollout_logp, mask, self.s.loss.tis_clip_low, self.s.loss.tis_clip)
+        data = {"tokens": tokens, "old_logp": old_logp, "rollout_logp": rollout_logp, "mask": mask, "advantages": jnp.asarray(adv)}
+        if routed is not None:
+            data["routed"] = routed
+        if self.ref_params is not None:
+            data["ref_logp"] = self._logprob_jit(self.ref_params, tokens, routed)
+        per_mb = len(samples) // self.s.num_minibatches
+        order = np.random.default_rng(self.s.seed + step).permutation(len(samples))
+        mb_metrics = []
+        for m in range(self.s.num_minibatches):
+            idx = order[m * per_mb : (m + 1) * per_mb]
+            mb = {k: v[idx] for k, v in data.items()}
+            # every minibatch normalises by its own token count so the step size does not depend on the split
+            nt = jnp.float32(max(float(tb.response_mask[idx].sum()), 1.0))
+            self.params, self.opt_state, met = self._update_jit(self.params, self.opt_state, mb, nt)
+            mb_metrics.append(jax.device_get(met))
+        skipped = sum(1 for m in mb_metrics if m["finite"] < 1)
+        self.skipped_updates += skipped
+        t_train = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        self.step += 1
+        self.push_weights()
+        t_sync = time.perf_counter() - t2
+
+        avg = {k: float(np.mean([m[k] for m in mb_metrics])) for k in mb_metrics[0] if k != "finite"}
+        n_tokens = int(tb.response_lengths.sum())
+        total = time.perf_counter() - t0
+        metrics = {
+            **avg,
+            **{k: float(v) for k, v in mm.items()},
+            "reward_mean": float(tb.rewards.mean()),
+            "reward_std": float(tb.rewards.std()),
+            "response_length": float(tb.response_lengths.mean()),
+            "truncated_frac": float(tb.truncated.mean()),
+            "tis_mean": avg.get("tis", float("nan")),
+            "learning_rate": float(self.schedule(max(self.step * self.s.num_minibatches - 1, 0))),
+            "skipped_updates": float(skipped),
+            "skipped_updates_total": float(self.skipped_updates),
+            "rollout_seconds": t_rollout,
+            "train_seconds": t_train,
+            "sync_seconds": t_sync,
+            "step_seconds": total,
+            "tokens_per_second": n_tokens / max(total, 1e-9),
+            "weight_version": float(self.step),
+        }
+        return metrics
+
+    def push_weights(self) -> None:
+        """Hand the new masters to the engine; it quantizes them through the same contract as the trainer."""
+        self.engine.update_weights(self.compute_params(self.params), f"{self._version_prefix}{self.step}")
+
+    def evaluate(self, records, batch_size: int = 64) -> float:
+        """Greedy mean reward on held-out prompts."""
+        if not records:
+            return float("nan")
+        scores = []
+        for i in range(0, len(records), batch_size):
+            chunk = records[i : i + batch_size]
+            prompts = [list(map(int, self.tokenizer.encode_prompt(r.prompt))) for r in chunk]
+            samples = self.engine.generate(prompts, self.sampling(0, greedy=True), return_routed_experts=False)
+            responses = [self.tokenizer.decode(list(map(int, s.response_ids))) for s in samples]
+            scores.append(compute_rewards(self.reward_fn, [r.prompt for r in chunk], responses, [r.answer for r in chunk]))
+        return float(np.concatenate(scores).mean())
+
+    # -- checkpoint state -------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state}
+
+    def load_state(self, state: dict, meta: dict) -> None:
+        self.params = state["params"]
+        self.opt_state = state["opt_state"]
+        self.step = int(meta["step"])
+        self.skipped_updates = int(meta.get("skipped_updates", 0))
+        self.loader.set_state(meta["data"])
+
+
