@@ -1,0 +1,54 @@
+import pytest
+
+from jaxrl_fp8.config import ConfigError, base_config, validate_config
+
+
+def test_defaults_and_shipped_configs_validate():
+    validate_config(base_config())
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny", "experiments/configs/tiny.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    validate_config(mod.get_config())
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("recipe", "fp16", "config.recipe: 'fp16' is not a recipe"),
+    ("rl.eps_clip", 1.5, "config.rl.eps_clip"),
+    ("rl.tis_clip", 0.0, "config.rl.tis_clip"),
+    ("rl.num_minibatches", 3, "config.rl.num_minibatches: must divide"),
+    ("rollout.temperature", 0.0, "config.rollout.temperature"),
+    ("rollout.engine", "vllm", "config.rollout.engine"),
+    ("data.source", "csv", "config.data.source"),
+    ("data.task", "sort", "config.data.task"),
+    ("model.num_key_value_heads", 3, "config.model.num_key_value_heads"),
+    ("model.checkpoint", "/nonexistent", "config.model.checkpoint"),
+    ("total_steps", 0, "config.total_steps"),
+])
+def test_bad_values_name_their_key(key, value, msg):
+    c = base_config()
+    section, _, leaf = key.rpartition(".")
+    target = c if not section else c[section]
+    target[leaf] = value
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        validate_config(c)
+
+
+def test_recipe_checked_against_hardware():
+    c = base_config()
+    c.recipe, c.hardware, c.emulate = "mxfp8", "hopper", False
+    with pytest.raises(ConfigError, match="no native support on hopper"):
+        validate_config(c)
+    c.emulate = True
+    validate_config(c)
+    c.recipe, c.hardware, c.emulate = "fp8_block", "ampere", None
+    with pytest.raises(ConfigError, match="config.recipe"):
+        validate_config(c)
+
+
+def test_sglang_needs_servers():
+    c = base_config()
+    c.rollout.engine = "sglang"
+    with pytest.raises(ConfigError, match="config.rollout.sglang_urls"):
+        validate_config(c)
