@@ -53,7 +53,7 @@ def _model(c, vocab_size: int):
     if c.model.checkpoint:
         from jaxrl_fp8.model import from_pretrained
 
-        return from_pretrained(c.model.checkpoint, dtype="float32")
+        return from_pretrained(c.model.checkpoint, dtype="float32").model
     m = c.model
     cfg = tiny_config(vocab_size=vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
                       num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
@@ -76,16 +76,20 @@ def _policies(c, recipe, model_cfg):
     return train, train.with_format(recipe.rollout_format)
 
 
-def _engine(c, model, recipe, rollout_policy, seq_len):
+def _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer):
+    """The rollout engine and the function that pushes new weights (version v+1) to it."""
     if c.rollout.engine == "embedded":
         from jaxrl_fp8.rollout.embedded import EmbeddedEngine
 
-        return EmbeddedEngine.from_model(model, recipe=recipe, policy=rollout_policy, max_batch=c.rollout.max_batch,
-                                         max_seq_len=seq_len, compute_dtype=c.model.dtype)
+        engine = EmbeddedEngine(model, recipe=recipe, policy=train_policy, max_batch=c.rollout.max_batch, max_seq_len=seq_len,
+                                eos_token_ids=tuple(tokenizer.stop_ids), seed=c.seed)
+        return engine, engine.update_params
     from jaxrl_fp8.rollout.sglang_engine import SGLangFleetEngine
 
-    return SGLangFleetEngine(list(c.rollout.sglang_urls), weight_sync_dir=c.rollout.weight_sync_dir, recipe=recipe,
-                             policy=rollout_policy, model_config=model.cfg)
+    engine = SGLangFleetEngine(list(c.rollout.sglang_urls), weight_sync_dir=c.rollout.weight_sync_dir, recipe=recipe,
+                               policy=train_policy.with_format(recipe.rollout_format), model_config=model.cfg,
+                               side_files_from=c.model.checkpoint or None)
+    return engine, engine.push_model
 
 
 def run(c) -> str:
@@ -122,7 +126,7 @@ def run(c) -> str:
     model = _model(c, tokenizer.vocab_size)
     train_policy, rollout_policy = _policies(c, recipe, model.cfg)
     seq_len = c.data.max_prompt_tokens + c.rollout.max_new_tokens
-    engine = _engine(c, model, recipe, rollout_policy, seq_len)
+    engine, push = _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer)
     loss_cfg = PolicyLossConfig(eps_clip=c.rl.eps_clip, eps_clip_high=c.rl.eps_clip_high, dual_clip_c=c.rl.dual_clip_c or None,
                                 use_tis=c.rl.use_tis, tis_clip=c.rl.tis_clip, tis_clip_low=c.rl.tis_clip_low, kl_coef=c.rl.kl_coef,
                                 kl_type=c.rl.kl_type, entropy_coef=c.rl.entropy_coef, loss_agg=c.rl.loss_agg)
@@ -135,7 +139,8 @@ def run(c) -> str:
         eval_every_steps=c.logging.eval_every_steps, use_ref=c.rl.kl_coef > 0)
     optimizer, schedule = make_optimizer(c.rl, c.total_steps * c.rl.num_minibatches)
     trainer = Trainer(model=model, settings=settings, optimizer=optimizer, schedule=schedule, engine=engine,
-                      tokenizer=tokenizer, loader=loader, reward_fn=reward_fn, train_policy=train_policy)
+                      tokenizer=tokenizer, loader=loader, reward_fn=reward_fn, train_policy=train_policy,
+                      push_weights=push)
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.checkpoint.keep, async_save=c.checkpoint.async_save)
     writer = MetricsWriter(workdir, tensorboard=c.logging.tensorboard, enabled=jax.process_index() == 0)
@@ -199,13 +204,10 @@ def _export_final(trainer, model, recipe, rollout_policy, tokenizer, workdir) ->
     export_dir = os.path.join(workdir, "export")
     os.makedirs(export_dir, exist_ok=True)
     final = nnx.merge(trainer.graphdef, trainer.params)
-    try:
-        from jaxrl_fp8.model import save_pretrained
-    except ImportError:
-        logging.warning("model.save_pretrained is not available: final HF export skipped")
-        return
+    from jaxrl_fp8.model import Policy
+
     bf16_dir = os.path.join(export_dir, "hf_bf16")
-    save_pretrained(final, bf16_dir, dtype="bfloat16", overwrite=True)
+    Policy(final).save_pretrained(bf16_dir, dtype="bfloat16")
     tokenizer.save(bf16_dir)
     if recipe.rollout_format != "bf16":
         try:
@@ -218,6 +220,8 @@ def _export_final(trainer, model, recipe, rollout_policy, tokenizer, workdir) ->
 
 
 def main(argv):
+    if not flags.FLAGS["verbosity"].present:  # Orbax logs every save at INFO; keep the progress bar readable
+        logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.key=value for overrides")
     workdir = run(_CONFIG.value)

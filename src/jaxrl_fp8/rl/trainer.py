@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl_fp8.model.numerics import log_softmax
+from jaxrl_fp8.model import token_logprobs as model_token_logprobs
 from jaxrl_fp8.precision.arith import ieee_div
 from jaxrl_fp8.rl import advantages as adv_lib
 from jaxrl_fp8.rl.batch import TrainBatch, build_batch
@@ -34,12 +34,9 @@ __all__ = ["TrainerSettings", "Trainer", "token_logprobs", "make_optimizer"]
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """log softmax(logits / temperature)[target], float32, row invariant (the rollout engine uses the same)."""
+    """log softmax(logits / temperature)[target]: the model's row-invariant log-prob of tempered logits."""
     z = logits.astype(jnp.float32)
-    if temperature != 1.0:
-        z = ieee_div(z, temperature)
-    logp = log_softmax(z)
-    return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return model_token_logprobs(z if temperature == 1.0 else ieee_div(z, temperature), targets)
 
 
 def _entropy(logits: jax.Array, temperature: float) -> jax.Array:
@@ -87,7 +84,7 @@ class Trainer:
     """Owns the FP32 masters and optimizer state; drives rollout, scoring and updates."""
 
     def __init__(self, *, model, settings: TrainerSettings, optimizer, schedule, engine, tokenizer, loader, reward_fn,
-                 train_policy, rollout_version_prefix: str = "v", eval_records=None):
+                 train_policy, push_weights: Callable[[Any, str], None], rollout_version_prefix: str = "v"):
         self.s = settings
         self.graphdef, params = nnx.split(model)
         self.params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)  # FP32 masters
@@ -103,7 +100,7 @@ class Trainer:
         self.cfg = model.cfg
         self.step = 0
         self.skipped_updates = 0
-        self.eval_records = eval_records or []
+        self._push = push_weights
         self._version_prefix = rollout_version_prefix
         self._logprob_jit = jax.jit(self._logprobs)
         self._update_jit = jax.jit(self._update)
@@ -125,7 +122,7 @@ class Trainer:
     def _update(self, params, opt_state, mb, num_tokens):
         def loss_fn(p):
             logp, logits = self._forward_logprobs(p, mb["tokens"], mb.get("routed"))
-            ent = _entropy(logits, self.s.temperature) if self.s.loss.entropy_coef > 0 else None
+            ent = _entropy(logits, self.s.temperature)  # logged always; enters the loss only with entropy_coef > 0
             return policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"], self.s.loss,
                                rollout_logp=mb["rollout_logp"] if self.s.loss.use_tis else None,
                                ref_logp=mb.get("ref_logp"), entropy=ent, num_tokens=num_tokens)
@@ -226,22 +223,13 @@ class Trainer:
         }
         return metrics
 
-    def push_weights(self) -> None:
-        """Hand the new masters to the engine; it quantizes them through the same contract as the trainer."""
-        self.engine.update_weights(self.compute_params(self.params), f"{self._version_prefix}{self.step}")
+    def current_model(self):
+        """The model at the current masters, cast to the compute dtype (what the engine should serve)."""
+        return nnx.merge(self.graphdef, self.compute_params(self.params))
 
-    def evaluate(self, records, batch_size: int = 64) -> float:
-        """Greedy mean reward on held-out prompts."""
-        if not records:
-            return float("nan")
-        scores = []
-        for i in range(0, len(records), batch_size):
-            chunk = records[i : i + batch_size]
-            prompts = [list(map(int, self.tokenizer.encode_prompt(r.prompt))) for r in chunk]
-            samples = self.engine.generate(prompts, self.sampling(0, greedy=True), return_routed_experts=False)
-            responses = [self.tokenizer.decode(list(map(int, s.response_ids))) for s in samples]
-            scores.append(compute_rewards(self.reward_fn, [r.prompt for r in chunk], responses, [r.answer for r in chunk]))
-        return float(np.concatenate(scores).mean())
+    def push_weights(self) -> None:
+        """Hand the new weights to the engine (version v+1); it quantizes them through the same contract."""
+        self._push(self.current_model(), f"{self._version_prefix}{self.step}")
 
     # -- checkpoint state -------------------------------------------------------------------------------
     def state(self) -> dict:

@@ -1,0 +1,193 @@
+"""Block-scaled FP8 GEMM benchmark on one Hopper GPU: our Pallas kernels against XLA/cuBLAS and Pallas anchors.
+
+Everything in one run: XLA BF16 dot, XLA unscaled FP8 dot (NT), our dense kernel (tile variants); lax.ragged_dot
+BF16, jax's ragged_dot_mgpu BF16 example, our grouped kernel on Qwen3-30B-A3B MoE shapes; fwd+bwd of an FP8
+linear vs BF16; a device-to-device copy for the bandwidth ceiling. Correctness of every kernel timing is
+checked against a float64 block-math reference on a slice of rows. Prints a table, writes JSON.
+
+    PYTHONPATH=src:. python3 experiments/benchmarks/gemm.py --out results/gemm_h200.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_fp8 import ops
+from jaxrl_fp8.ops import reference as R
+from jaxrl_fp8.precision.fp8 import quantize_fp8_per_block, quantize_fp8_per_token_group
+from pallas_kernels import gemm_dense, gemm_grouped
+
+ANCHORS = {"xla_bf16_8192": 783, "cublas_fp8_blockwise_8192": 1284, "xla_fp8_nt_8192": 1530, "mosaic_fp8_unscaled_8192": 1465, "ragged_dot_mgpu_bf16_gate_up": 420, "ragged_dot_mgpu_bf16_down": 294}
+
+
+def bench(fn, *args, iters=20, warmup=3, reps=5):
+    """Per-call time (s): `iters` back-to-back calls timed together (no host sync or clock drop between
+    them), repeated `reps` times; returns (median, min) over the repetitions."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = [fn(*args) for _ in range(iters)]
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / iters)
+        del out
+    return statistics.median(times), min(times)
+
+
+def rand(key, shape, dtype, scale=1.0):
+    return (jax.random.normal(jax.random.key(key), shape, jnp.float32) * scale).astype(dtype)
+
+
+RESULTS: list[dict] = []
+
+
+def record(name, shape, flops, t, **extra):
+    med, best = t
+    row = dict(name=name, shape=shape, median_ms=med * 1e3, min_ms=best * 1e3, tflops=flops / med / 1e12 if flops else None, **extra)
+    RESULTS.append(row)
+    tf = f"{row['tflops']:8.1f}" if row["tflops"] else "       -"
+    print(f"{name:48s} {str(shape):28s} {med*1e3:9.3f} ms {tf} TFLOP/s {extra.get('err', '')}", flush=True)
+
+
+def try_run(label, f):
+    try:
+        f()
+    except Exception as e:  # keep measuring the rest; the failure goes into the JSON
+        msg = f"{type(e).__name__}: {str(e)[:400]}"
+        print(f"{label}: FAILED {msg}", flush=True)
+        RESULTS.append(dict(name=label, error=msg, trace=traceback.format_exc()[-2000:]))
+
+
+def check_rows(y, xq, sa, wq, sb, rows=256):
+    ref = R.block_scaled_matmul(np.asarray(xq[:rows]), np.asarray(sa[:rows]), np.asarray(wq), np.asarray(sb))
+    return R.rel_err(np.asarray(y[:rows], np.float32), ref)
+
+
+def dense_suite(m, n, k, configs, label):
+    flops = 2 * m * n * k
+    a16, b16 = rand(1, (m, k), jnp.bfloat16), rand(2, (n, k), jnp.bfloat16, 0.05)
+    try_run(f"xla_bf16 {label}", lambda: record(f"xla_bf16_dot {label}", (m, n, k), flops,
+            bench(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)), a16, b16)))
+    a8, b8 = a16.astype(jnp.float8_e4m3fn), b16.astype(jnp.float8_e4m3fn)
+    nt = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16))
+    try_run(f"xla_fp8_nt {label}", lambda: record(f"xla_fp8_nt_unscaled {label}", (m, n, k), flops, bench(nt, a8, b8)))
+    xq, sa = quantize_fp8_per_token_group(a16, 128)
+    wq, sb = quantize_fp8_per_block(b16, (128, 128))
+    xla_path = jax.jit(lambda a, s, b, t: ops.xla_gemm.block_scaled_matmul(a, s, b, t, out_dtype=jnp.bfloat16))
+    if m * n * k <= 8192**3:
+        try_run(f"xla_blockscaled {label}", lambda: record(f"xla_block_scaled(scan) {label}", (m, n, k), flops, bench(xla_path, xq, sa, wq, sb, iters=3, reps=2)))
+    for cfg in configs:
+        def one(cfg=cfg):
+            f = jax.jit(functools.partial(gemm_dense.block_scaled_matmul, out_dtype=jnp.bfloat16, config=cfg))
+            y = f(xq, sa, wq, sb)
+            err = check_rows(y, xq, sa, wq, sb)
+            record(f"ours_dense {label} {cfg.tile_m*2}x{cfg.tile_n} s{cfg.max_concurrent_steps} w{cfg.grid_tile_width}", (m, n, k), flops, bench(f, xq, sa, wq, sb), err=f"relerr={err:.2e}")
+        try_run(f"ours_dense {label} {cfg}", one)
+
+
+def moe_suite(configs, quick):
+    e, rows_per_e, hidden, inter = 128, 1024, 2048, 768
+    m = e * rows_per_e
+    # 16384 tokens x top-8 = 131072 routed rows; uneven but realistic routing: multinomial sizes
+    rng = np.random.default_rng(0)
+    sizes = jnp.asarray(rng.multinomial(m, np.ones(e) / e), jnp.int32)
+    for name, n, k in [("gate_up", 2 * inter, hidden), ("down", hidden, inter)]:
+        flops = 2 * m * n * k
+        x16, w16 = rand(3, (m, k), jnp.bfloat16), rand(4, (e, n, k), jnp.bfloat16, 0.05)
+        if not quick:
+            rd = jax.jit(lambda x, w, g: jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), g, preferred_element_type=jnp.bfloat16))
+            try_run(f"ragged_dot {name}", lambda: record(f"lax.ragged_dot_bf16 {name}", (m, n, k, e), flops, bench(rd, x16, w16, sizes, iters=2, warmup=1, reps=2)))
+        def mgpu():
+            from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+            best = None
+            for bm, bn, st, gbn in [(128, 128, 4, 1), (128, 128, 4, 8), (64, 128, 4, 1), (128, 64, 4, 1), (192, 128, 4, 2)]:
+                try:
+                    f = jax.jit(functools.partial(ragged_dot_mgpu.ragged_dot, block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=st, grid_block_n=gbn, transpose_rhs=True))
+                    t = bench(lambda x, w, g: f(x, w, group_sizes=g), x16, w16, sizes)
+                    if best is None or t[0] < best[1][0]:
+                        best = ((bm, bn, st, gbn), t)
+                except Exception as ex:
+                    print("  ragged_dot_mgpu config failed", (bm, bn, st, gbn), str(ex)[:120])
+            record(f"ragged_dot_mgpu_bf16 {name}", (m, n, k, e), flops, best[1], config=str(best[0]))
+        try_run(f"ragged_dot_mgpu {name}", mgpu)
+        xq, sa = quantize_fp8_per_token_group(x16, 128)
+        wq, sb = quantize_fp8_per_block(w16, (128, 128))
+        for cfg in configs:
+            def one(cfg=cfg):
+                f = jax.jit(functools.partial(gemm_grouped.grouped_block_scaled_matmul, out_dtype=jnp.bfloat16, config=cfg))
+                y = f(xq, sa, wq, sb, sizes)
+                s0 = int(sizes[0])
+                err = check_rows(y[:s0], xq[:s0], sa[:s0], wq[0], sb[0])
+                record(f"ours_grouped {name} {cfg.tile_m*2}x{cfg.tile_n} s{cfg.max_concurrent_steps}", (m, n, k, e), flops, bench(f, xq, sa, wq, sb, sizes), err=f"relerr={err:.2e}")
+            try_run(f"ours_grouped {name} {cfg}", one)
+
+
+def linear_fwd_bwd_suite(m, n, k, label):
+    flops = 3 * 2 * m * n * k
+    x, w = rand(5, (m, k), jnp.bfloat16), rand(6, (n, k), jnp.float32, 0.05)
+    c = rand(7, (m, n), jnp.bfloat16)
+    for fmt, bw in [("bf16", "high_precision"), ("fp8-block", "fp8"), ("fp8-block", "high_precision")]:
+        def one(fmt=fmt, bw=bw):
+            # value_and_grad: the forward GEMM must run too (grad alone lets XLA drop it)
+            f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum((ops.linear(x, w, fmt=fmt, backward=bw) * c).astype(jnp.float32)), argnums=(0, 1)))
+            record(f"linear fwd+bwd {fmt}/{bw} {label}", (m, n, k), flops, bench(f, x, w))
+        try_run(f"linear {fmt}/{bw} {label}", one)
+
+
+def copy_bandwidth():
+    x = rand(8, (1024, 1024, 1024), jnp.bfloat16)  # 2 GiB
+    f = jax.jit(lambda a: a + jnp.bfloat16(1))
+    med, best = bench(f, x)
+    RESULTS.append(dict(name="elementwise copy (read+write) 2 GiB", median_ms=med * 1e3, tb_per_s=2 * x.nbytes / med / 1e12))
+    print(f"copy bandwidth: {2 * x.nbytes / med / 1e12:.2f} TB/s", flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true", help="fewer variants (first device call)")
+    args = p.parse_args(argv)
+    C = gemm_dense.GemmConfig
+    dense_cfgs = [C(64, 128, 4, 8), C(64, 128, 3, 4), C(64, 128, 6, 8), C(64, 256, 3, 8), C(64, 128, 4, 16, 0)]
+    if args.quick:
+        dense_cfgs = dense_cfgs[:2]
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}", flush=True)
+    try_run("copy", copy_bandwidth)
+    dense_suite(8192, 8192, 8192, dense_cfgs, "8192^3")
+    dense_suite(4096, 7168, 16384, dense_cfgs[:3], "4096x7168x16384")
+    hidden, heads, kv, hd = 2048, 32, 4, 128
+    for name, n, k in [("qkv", (heads + 2 * kv) * hd, hidden), ("o", hidden, heads * hd)]:
+        dense_suite(16384, n, k, dense_cfgs[:1], f"attn_{name} M16384")
+        dense_suite(64, n, k, dense_cfgs[:1], f"attn_{name} decode M64")
+    moe_suite(dense_cfgs[:3], args.quick)
+    linear_fwd_bwd_suite(8192, 8192, 8192, "8192^3")
+    linear_fwd_bwd_suite(16384, 2048, 4096, "attn_o M16384")
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, python=platform.python_version(), anchors_reference_md=ANCHORS,
+                timing="median over 5 repetitions of 20 back-to-back jitted calls (wall clock / 20) after 3 warm-ups", time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    out = dict(meta=meta, results=RESULTS)
+    d = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(out, fh, indent=1)
+    os.replace(tmp, args.out)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

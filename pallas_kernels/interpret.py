@@ -1,0 +1,30 @@
+"""The one place that reaches Mosaic GPU's interpret mode (runs a GPU kernel on CPU, for tests).
+
+jax 0.11.2 re-exports it as `plgpu.force_gpu_interpret_mode` / `plgpu.InterpretGPUParams`; keeping the
+import here means an API move breaks one file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Kernels size their persistent grid from the device's SM count; interpret mode has none, so a small
+# grid still exercises the "several output tiles per program" path.
+INTERPRET_NUM_SMS = 3
+
+
+@contextlib.contextmanager
+def gpu_interpret_mode():
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        yield
+
+
+def reset_after_error() -> None:
+    """Interpret mode keeps global state; after a kernel raised, it must be reset before the next run."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc  # noqa: PLC0415
+
+    reset = getattr(ipc, "reset_gpu_interpret_mode_state", None)
+    if reset is not None:
+        reset()

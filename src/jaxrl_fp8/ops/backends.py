@@ -1,0 +1,68 @@
+"""Which implementation runs a block-scaled GEMM: the Mosaic GPU kernel, the XLA path, or interpret mode.
+
+`None` (auto) picks the Mosaic GPU kernel for fp8-block GEMMs on a Hopper GPU whose shapes it supports, and
+the XLA path everywhere else. "interpret" runs the Pallas kernel through Mosaic GPU's CPU interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jaxrl_fp8.ops import xla_gemm
+
+BACKENDS = ("xla", "mosaic", "interpret")
+
+
+def check_backend(backend: str | None) -> str | None:
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"ops backend {backend!r} is unknown; expected None (auto) or one of {', '.join(BACKENDS)}")
+    return backend
+
+
+@functools.cache
+def default_device_is_hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+
+
+def kernel_supports(n: int, k: int) -> bool:
+    return n % 128 == 0 and k % 128 == 0
+
+
+def resolve(backend: str | None, fmt: str, n: int, k: int) -> str:
+    """The backend one fp8-block GEMM of output width n and depth k runs on (other formats: always xla)."""
+    check_backend(backend)
+    if fmt != "fp8-block":
+        return "xla"
+    if backend is None:
+        return "mosaic" if default_device_is_hopper() and kernel_supports(n, k) else "xla"
+    if backend != "xla" and not kernel_supports(n, k):
+        raise ValueError(
+            f"backend {backend!r}: the Pallas FP8 kernels need N and K multiples of 128, got N={n}, K={k}; "
+            "use backend='xla' (or None) for other shapes"
+        )
+    return backend
+
+
+def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, backend: str, b_rows_per_scale: int = 128, out_dtype=jax.numpy.float32):
+    if backend == "xla":
+        return xla_gemm.block_scaled_matmul(a_q, a_scale, b_q, b_scale, b_rows_per_scale=b_rows_per_scale, out_dtype=out_dtype)
+    from pallas_kernels import gemm_dense
+
+    return gemm_dense.block_scaled_matmul(
+        a_q, a_scale, b_q, b_scale, b_rows_per_scale=b_rows_per_scale, out_dtype=out_dtype, interpret=backend == "interpret"
+    )
+
+
+def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, backend: str, out_dtype=jax.numpy.float32):
+    if backend == "xla":
+        from jaxrl_fp8.ops import grouping
+
+        return grouping.grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype)
+    from pallas_kernels import gemm_grouped
+
+    return gemm_grouped.grouped_block_scaled_matmul(
+        a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype, interpret=backend == "interpret"
+    )

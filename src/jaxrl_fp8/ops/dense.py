@@ -1,0 +1,115 @@
+"""`linear`: y = x . w^T in a precision format, differentiable through one of three backward modes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_fp8.ops import backends, operands as O
+from jaxrl_fp8.ops.xla_gemm import dot_nt_f32
+from jaxrl_fp8.precision import formats as F
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+
+def linear(x, w, *, fmt: str = "bf16", backward: str = "high_precision", backend: str | None = None, out_dtype=None):
+    """y[..., N] = x[..., K] . w[N, K]^T with float32 accumulation.
+
+    fmt: "bf16" | "fp8-block" (x 1x128, w 128x128, per-K-block promotion) | "mxfp8" | "nvfp4" (emulated).
+    w: master weight [N, K] (quantized on the fly) or a precision.QuantizedWeight of the same fmt.
+    backward: "high_precision" | "dequantized" | "fp8" (see docs/decisions/0002-gemm-tiling.md).
+    backend: None (auto), "xla", "mosaic", "interpret" (applies to the fp8-block GEMMs).
+    """
+    O.check_args(fmt, backward, "ops.linear")
+    backends.check_backend(backend)
+    x = jnp.asarray(x)
+    if x.ndim < 1:
+        raise ValueError("ops.linear: x must have a trailing K axis")
+    k = x.shape[-1]
+    n = O.check_weight(w, fmt, k, 2, "ops.linear")[0]
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return jnp.zeros((*lead, n), out_dtype)
+    y = _linear(x2, w, fmt, backward, backend, out_dtype)
+    return y.reshape(*lead, n)
+
+
+def _forward(x, w, fmt, backend):
+    """Returns (y float32 [M, N], the quantized operands the backward may reuse)."""
+    n, k = (w.shape if hasattr(w, "shape") else jnp.shape(w))[-2:]
+    if fmt == F.BF16:
+        return dot_nt_f32(x.astype(BF16), jnp.asarray(w).astype(BF16)), None
+    if fmt == F.FP8_BLOCK:
+        xq, sa = O.fp8_act(x)
+        wq, sb = O.fp8_weight(w)
+        be = backends.resolve(backend, fmt, n, k)
+        return backends.block_scaled_matmul(xq, sa, wq, sb, backend=be), (xq, sa, wq, sb)
+    xd, wd = O.emulated_operands(x, w, fmt)
+    return dot_nt_f32(xd, wd), (xd, wd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _linear(x, w, fmt, backward, backend, out_dtype):
+    return _forward(x, w, fmt, backend)[0].astype(out_dtype)
+
+
+def _linear_fwd(x, w, fmt, backward, backend, out_dtype):
+    y, fwd_ops = _forward(x, w, fmt, backend)
+    keep = fwd_ops if (backward == "dequantized" or (backward == "fp8" and fmt == F.FP8_BLOCK)) else None
+    return y.astype(out_dtype), (x, w, keep)
+
+
+def _pad_rows(a, multiple):
+    pad = (-a.shape[0]) % multiple
+    return jnp.pad(a, [(0, pad), (0, 0)]) if pad else a
+
+
+def fp8_backward(g, x, wq, sb, backend):
+    """dgrad and wgrad in FP8: each GEMM's operands quantized 1x128 along its contraction axis.
+
+    dgrad dx[M, K] = g[M, N] . W[N, K]: g grouped along N; W^T reuses the forward 128x128 blocks (scales
+    transposed). wgrad dw[N, K] = g^T . x: both quantized along M (rows padded with zeros to 128).
+    """
+    m, n = g.shape
+    k = x.shape[1]
+    gq, sg = O.fp8_act(g)
+    be = backends.resolve(backend, F.FP8_BLOCK, k, n)
+    dx = backends.block_scaled_matmul(gq, sg, wq.T, sb.T, backend=be)
+    gp, xp = _pad_rows(g, 128), _pad_rows(x, 128)
+    gtq, sgt = O.fp8_act(gp.T)
+    xtq, sxt = O.fp8_act(xp.T)
+    be = backends.resolve(backend, F.FP8_BLOCK, k, gp.shape[0])
+    dw = backends.block_scaled_matmul(gtq, sgt, xtq, sxt, b_rows_per_scale=1, backend=be)
+    return dx, dw
+
+
+def _linear_bwd(fmt, backward, backend, out_dtype, res, g):
+    x, w, kept = res
+    if backward == "fp8":
+        wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w)
+        dx, dw = fp8_backward(g, x, wq, sb, backend)
+    else:
+        if backward == "dequantized" and kept is not None:
+            if fmt == F.FP8_BLOCK:
+                from jaxrl_fp8.precision.fp8 import dequantize_fp8_per_block, dequantize_fp8_per_token_group
+
+                xq, sa, wq, sb = kept
+                a = dequantize_fp8_per_token_group(xq, sa, F.FP8_ACT_GROUP)
+                b = dequantize_fp8_per_block(wq, sb, F.FP8_BLOCK_WEIGHT)
+            else:
+                a, b = kept
+        else:
+            a, b = x, O.weight_values(w)
+        gb = g.astype(BF16)
+        dx = lax.dot_general(gb, b.astype(BF16), (((1,), (0,)), ((), ())), preferred_element_type=F32)
+        dw = lax.dot_general(gb, a.astype(BF16), (((0,), (0,)), ((), ())), preferred_element_type=F32)
+    return dx.astype(x.dtype), O.master_cotangent(w, dw)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)

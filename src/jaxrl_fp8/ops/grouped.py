@@ -1,0 +1,102 @@
+"""`grouped_linear`: the MoE expert GEMM on expert-sorted rows, differentiable like `linear`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_fp8.ops import backends, grouping, operands as O
+from jaxrl_fp8.precision import formats as F
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+
+def grouped_linear(x, w, group_sizes, *, fmt: str = "bf16", backward: str = "high_precision", backend: str | None = None, out_dtype=None):
+    """y[r] = x[r] . w[g(r)]^T for rows sorted by expert: x [M, K], w [E, N, K], group_sizes int [E].
+
+    Rows past sum(group_sizes) are padding and get 0; empty groups are allowed. Only the rows of each
+    expert are multiplied by that expert (never all experts on all rows). Formats and backward modes as in
+    `ops.linear`.
+    """
+    O.check_args(fmt, backward, "ops.grouped_linear")
+    backends.check_backend(backend)
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"ops.grouped_linear: x must be [M, K] rows sorted by expert; got shape {x.shape}")
+    e, n, _ = O.check_weight(w, fmt, x.shape[1], 3, "ops.grouped_linear")
+    group_sizes = grouping.check_group_sizes(group_sizes, e, "ops.grouped_linear group_sizes")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if x.shape[0] == 0:
+        return jnp.zeros((0, n), out_dtype)
+    return _grouped(x, w, group_sizes, fmt, backward, backend, out_dtype)
+
+
+def _forward(x, w, gs, fmt, backend):
+    e, n, k = w.shape
+    if fmt == F.BF16:
+        return grouping.grouped_dot(x, jnp.asarray(w), gs), None
+    if fmt == F.FP8_BLOCK:
+        xq, sa = O.fp8_act(x)
+        wq, sb = O.fp8_weight(w)
+        be = backends.resolve(backend, fmt, n, k)
+        return backends.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, backend=be), (xq, sa, wq, sb)
+    xd, wd = O.emulated_operands(x, w, fmt)
+    return grouping.grouped_dot(xd, wd, gs), (xd, wd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _grouped(x, w, gs, fmt, backward, backend, out_dtype):
+    return _forward(x, w, gs, fmt, backend)[0].astype(out_dtype)
+
+
+def _grouped_fwd(x, w, gs, fmt, backward, backend, out_dtype):
+    y, fwd_ops = _forward(x, w, gs, fmt, backend)
+    keep = fwd_ops if (backward == "dequantized" or (backward == "fp8" and fmt == F.FP8_BLOCK)) else None
+    return y.astype(out_dtype), (x, w, gs, keep)
+
+
+def _rows_in_groups(a, gs):
+    """Zero the padding rows past sum(group_sizes), so they cannot move a quantization scale."""
+    live = jnp.arange(a.shape[0]) < jnp.sum(gs)
+    return jnp.where(live[:, None], a, jnp.zeros_like(a))
+
+
+def _pad_cols(a, multiple):
+    pad = (-a.shape[1]) % multiple
+    return jnp.pad(a, [(0, 0), (0, pad)]) if pad else a
+
+
+def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
+    x, w, gs, kept = res
+    e, n, k = w.shape
+    g = _rows_in_groups(g, gs)
+    if backward == "fp8":
+        wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w)
+        gq, sg = O.fp8_act(g)
+        be = backends.resolve(backend, F.FP8_BLOCK, k, n)
+        dx = backends.grouped_block_scaled_matmul(gq, sg, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(sb, 1, 2), gs, backend=be)
+        xm = _rows_in_groups(x, gs)
+        gtq, sgt = O.fp8_act(_pad_cols(g.T, 128))
+        xtq, sxt = O.fp8_act(_pad_cols(xm.T, 128))
+        dw = grouping.grouped_wgrad_fp8(gtq, sgt, xtq, sxt, gs, e)
+    else:
+        if backward == "dequantized" and kept is not None:
+            if fmt == F.FP8_BLOCK:
+                from jaxrl_fp8.precision.fp8 import dequantize_fp8_per_block, dequantize_fp8_per_token_group
+
+                xq, sa, wq, sb = kept
+                a = dequantize_fp8_per_token_group(xq, sa, F.FP8_ACT_GROUP)
+                b = dequantize_fp8_per_block(wq, sb, F.FP8_BLOCK_WEIGHT)
+            else:
+                a, b = kept
+        else:
+            a, b = x, O.weight_values(w)
+        dx = grouping.grouped_dot(g, jnp.swapaxes(b, 1, 2), gs)
+        dw = grouping.grouped_wgrad(g, a, gs, e)
+    return dx.astype(x.dtype), O.master_cotangent(w, dw), None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)

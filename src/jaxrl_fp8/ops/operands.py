@@ -1,0 +1,82 @@
+"""How each format turns (activation, weight) into GEMM operands, through the precision contract only."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_fp8.precision import formats as F
+from jaxrl_fp8.precision.fp8 import quantize_fp8_per_block, quantize_fp8_per_token_group
+from jaxrl_fp8.precision.quantized import QuantizedWeight, dequantize_weight, quantize_dequantize_activation, quantize_weight
+
+BACKWARD_MODES = ("high_precision", "dequantized", "fp8")
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+
+
+def check_args(fmt: str, backward: str, where: str) -> None:
+    F.check_format(fmt, what=f"{where} fmt")
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"{where}: backward mode {backward!r} is unknown; expected one of {', '.join(BACKWARD_MODES)}")
+
+
+def check_weight(w, fmt: str, k: int, weight_ndim: int, where: str) -> tuple[int, ...]:
+    """Validates w against x's K and the format; returns w's logical shape."""
+    if isinstance(w, QuantizedWeight):
+        if w.fmt != fmt:
+            raise ValueError(f"{where}: weight is a QuantizedWeight in {w.fmt!r} but fmt={fmt!r}; pass fmt={w.fmt!r}")
+        shape = w.shape
+    else:
+        shape = tuple(jnp.shape(w))
+    if len(shape) != weight_ndim:
+        want = "[N, K]" if weight_ndim == 2 else "[E, N, K]"
+        raise ValueError(f"{where}: weight must be {want} (HF [out, in] layout); got shape {shape}")
+    if shape[-1] != k:
+        raise ValueError(f"{where}: x has K={k} but weight {shape} has K={shape[-1]} (weights are [out, in])")
+    return shape
+
+
+def fp8_act(x):
+    """1x128 per-token FP8 groups along the last axis."""
+    return quantize_fp8_per_token_group(x, F.FP8_ACT_GROUP)
+
+
+def fp8_weight(w):
+    """(q, 128x128 scale_inv) of a master weight or an fp8-block QuantizedWeight."""
+    if isinstance(w, QuantizedWeight):
+        if w.fmt == F.FP8_BLOCK:
+            return w.data, w.scale
+        return quantize_fp8_per_block(dequantize_weight(w, F32), F.FP8_BLOCK_WEIGHT)
+    return quantize_fp8_per_block(w, F.FP8_BLOCK_WEIGHT)
+
+
+def emulated_operands(x, w, fmt: str):
+    """MXFP8 / NVFP4 on hardware without them: the exact dequantized values, as BF16 GEMM operands."""
+    xd = quantize_dequantize_activation(x, fmt, dtype=F32)
+    wd = w.dequantize(F32) if isinstance(w, QuantizedWeight) else dequantize_weight(quantize_weight(w, fmt), F32)
+    return xd.astype(BF16), wd.astype(BF16)
+
+
+def weight_values(w):
+    """The weight as float32 values: the master itself, or a QuantizedWeight's dequantized values."""
+    return w.dequantize(F32) if isinstance(w, QuantizedWeight) else jnp.asarray(w)
+
+
+def zero_cotangent(w):
+    """Zero cotangent of a weight input (float0 for integer leaves, e.g. packed NVFP4 data)."""
+
+    def z(a):
+        a = jnp.asarray(a)
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            return jnp.zeros_like(a)
+        return np.zeros(a.shape, jax.dtypes.float0)
+
+    return jax.tree.map(z, w)
+
+
+def master_cotangent(w, dw):
+    """dW for the master weight (straight-through the quantizer); QuantizedWeight inputs get zeros."""
+    if isinstance(w, QuantizedWeight):
+        return zero_cotangent(w)
+    return dw.astype(jnp.asarray(w).dtype)

@@ -1,0 +1,73 @@
+"""Dense block-scaled FP8 kernel: interpret mode on CPU (small tiles) and on the H200 (-m gpu)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_fp8.ops import reference as R
+from jaxrl_fp8.ops import xla_gemm
+from jaxrl_fp8.precision.fp8 import quantize_fp8_per_block, quantize_fp8_per_token_group
+from pallas_kernels import gemm_dense
+
+
+def _operands(seed, m, n, k, b_rows_per_scale=128):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.01, 10.0, (m, 1)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.01, 1.0, (n, 1)), jnp.float32)
+    xq, sa = quantize_fp8_per_token_group(x, 128)
+    if b_rows_per_scale == 1:
+        wq, sb = quantize_fp8_per_token_group(w, 128)
+    else:
+        wq, sb = quantize_fp8_per_block(w, (128, 128))
+    return xq, sa, wq, sb
+
+
+@pytest.mark.parametrize("m,n,k,rows", [(1, 128, 128, 128), (100, 256, 256, 128), (130, 128, 384, 1)])
+def test_interpret_matches_float64(m, n, k, rows):
+    xq, sa, wq, sb = _operands(m + n + k, m, n, k, rows)
+    y = gemm_dense.block_scaled_matmul(xq, sa, wq, sb, b_rows_per_scale=rows, interpret=True)
+    assert y.shape == (m, n) and y.dtype == jnp.float32
+    assert R.rel_err(y, R.block_scaled_matmul(xq, sa, wq, sb, rows)) < 1e-6
+
+
+def test_interpret_row_invariance_and_bf16_out():
+    xq, sa, wq, sb = _operands(1, 140, 128, 256)
+    full = np.asarray(gemm_dense.block_scaled_matmul(xq, sa, wq, sb, interpret=True, out_dtype=jnp.bfloat16))
+    alone = np.asarray(gemm_dense.block_scaled_matmul(xq[137:138], sa[137:138], wq, sb, interpret=True, out_dtype=jnp.bfloat16))
+    np.testing.assert_array_equal(alone[0], full[137])
+    assert full.dtype == jnp.bfloat16
+
+
+def test_bad_shapes_raise_clear_errors():
+    xq, sa, wq, sb = _operands(2, 8, 128, 256)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        gemm_dense.block_scaled_matmul(xq[:, :200], sa, wq[:, :200], sb, interpret=True)
+    with pytest.raises(ValueError, match="a_scale"):
+        gemm_dense.block_scaled_matmul(xq, sa[:, :1], wq, sb, interpret=True)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        gemm_dense.block_scaled_matmul(xq.astype(jnp.bfloat16), sa, wq, sb, interpret=True)
+
+
+# ---- on the H200 --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,rows", [(1, 2048, 2048, 128), (64, 4096, 2048, 128), (1000, 1536, 2048, 128), (4096, 2048, 4096, 1), (333, 768, 640, 128)])
+def test_gpu_matches_float64(m, n, k, rows):
+    xq, sa, wq, sb = _operands(m * 3 + n, m, n, k, rows)
+    y = gemm_dense.block_scaled_matmul(xq, sa, wq, sb, b_rows_per_scale=rows)
+    ref = R.block_scaled_matmul(xq, sa, wq, sb, rows)
+    assert R.rel_err(y, ref) < 1e-3  # FP8 wgmma block accumulation is below float32 precision
+    # the XLA path computes the same function
+    assert R.rel_err(xla_gemm.block_scaled_matmul(xq, sa, wq, sb, b_rows_per_scale=rows), ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_row_invariance_bitwise():
+    xq, sa, wq, sb = _operands(5, 777, 2048, 2048)
+    f = jax.jit(lambda a, s: gemm_dense.block_scaled_matmul(a, s, wq, sb, out_dtype=jnp.bfloat16))
+    full = np.asarray(f(xq, sa))
+    for i in [0, 300, 776]:
+        np.testing.assert_array_equal(np.asarray(f(xq[i : i + 1], sa[i : i + 1]))[0], full[i])
+    np.testing.assert_array_equal(np.asarray(f(xq[:64], sa[:64])), full[:64])
