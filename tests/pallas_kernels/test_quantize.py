@@ -1,0 +1,329 @@
+"""Quantization kernels == jaxrl_fp8.precision, bit for bit: interpret mode on CPU, and on the H200 (-m gpu).
+
+Bitwise means: same shape, same dtype, same bits, except that every NaN compares equal to every NaN (the GPU
+writes the canonical NaN where XLA:CPU may keep a sign or payload; a NaN block is NaN either way).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_fp8 import precision as P
+from pallas_kernels import quantize as Q
+from pallas_kernels.interpret import reset_after_error
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpret_state():
+    yield
+    reset_after_error()
+
+
+def _bits(a):
+    a = np.asarray(a)
+    if a.dtype.itemsize == 1:
+        return a.view(np.uint8)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def _nan_mask(a):
+    a = np.asarray(a)
+    if a.dtype == np.uint8:
+        return np.zeros(a.shape, bool)
+    return np.isnan(a.astype(np.float32))
+
+
+def assert_same(actual, expected, what=""):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    nan_a, nan_e = _nan_mask(actual), _nan_mask(expected)
+    np.testing.assert_array_equal(nan_a, nan_e, err_msg=f"{what}: NaN positions differ")
+    a, e = _bits(actual), _bits(expected)
+    bad = (a != e) & ~nan_a
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {a.size} differ, first at {np.argwhere(bad)[0].tolist()}: {a[bad][:4]} vs {e[bad][:4]}"
+
+
+def rand(shape, seed, dtype=F32, spread=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if spread:  # groups of very different magnitude: every per-group scale differs
+        x *= np.exp2(rng.integers(-20, 20, size=shape[:-1] + (1,))).astype(np.float32)
+    return jnp.asarray(x, dtype)
+
+
+def edge_cases(rows=8, k=256):
+    """One tensor holding every special case, each in its own 16-wide block (so NVFP4 sees them alone too)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[0, :] = 0.0  # all-zero row: finite scale, q = 0
+    x[1, :16] = -0.0  # negative zeros keep their sign
+    x[1, 16:32] = np.float32(1e-42)  # subnormals
+    x[1, 32] = np.float32(-3e-39)
+    x[2, 5] = np.inf  # +inf: its group / block becomes NaN, nothing else
+    x[2, 200] = -np.inf
+    x[3, 7] = np.nan
+    x[4, :] *= np.float32(3e38) / np.abs(x[4]).max()  # near float32 max: the largest scales
+    x[5, :] = np.float32(448.0)  # exactly the format maximum
+    x[5, 130:140] = -np.float32(448.0)
+    x[6, ::3] = np.float32(1e-8)  # tiny values in a group with a normal amax
+    x[7, :] = np.float32(1e-12)  # amax under the 1e-10 floor
+    return jnp.asarray(x)
+
+
+# ---- per-token group ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape,in_dtype,dtype,pow2",
+    [
+        ((1, 128), BF16, E4M3, False),  # M = 1
+        ((3, 300), F32, E4M3, False),  # K not a multiple of 128 (zero-padded last group)
+        ((2, 5, 257), BF16, E4M3, True),  # 3-D, partial group, power-of-two scales
+        ((70, 256), F32, E5M2, False),  # rows span two tiles; E5M2
+        ((1, 1), F32, E4M3, False),
+    ],
+)
+def test_per_token_group_interpret(shape, in_dtype, dtype, pow2):
+    x = rand(shape, sum(shape), in_dtype)
+    q, s = Q.fp8_per_token_group(x, 128, dtype=dtype, pow2_scale=pow2, interpret=True)
+    rq, rs = P.quantize_fp8_per_token_group(x, 128, dtype=dtype, pow2_scale=pow2)
+    assert_same(s, rs, "scale")
+    assert_same(q, rq, "q")
+
+
+def test_per_token_group_edge_cases_interpret():
+    x = edge_cases()
+    for pow2 in (False, True):
+        q, s = Q.fp8_per_token_group(x, interpret=True, pow2_scale=pow2)
+        rq, rs = P.quantize_fp8_per_token_group(x, pow2_scale=pow2)
+        assert_same(s, rs, "scale")
+        assert_same(q, rq, "q")
+    s = np.asarray(s)
+    assert np.isfinite(s[0]).all() and not np.asarray(q)[0].astype(np.float32).any()  # all-zero group
+    assert np.isnan(s[2]).all() and np.isnan(s[3, 0]) and np.isfinite(s[3, 1])  # NaN confined to its group
+
+
+def test_per_token_group_rejects_bad_input():
+    with pytest.raises(TypeError, match="int32"):
+        Q.fp8_per_token_group(jnp.ones((2, 128), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="group size 48"):
+        Q.fp8_per_token_group(jnp.ones((2, 128)), 48, interpret=True)
+    with pytest.raises(ValueError, match="unsupported FP8 dtype"):
+        Q.fp8_per_token_group(jnp.ones((2, 128)), dtype=jnp.bfloat16, interpret=True)
+
+
+# ---- MXFP8 --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,in_dtype", [((3, 100), F32), ((2, 4, 256), BF16)])
+def test_mxfp8_interpret(shape, in_dtype):
+    x = rand(shape, 11, in_dtype)
+    q, e = Q.mxfp8(x, interpret=True)
+    rq, re = P.quantize_mxfp8(x)
+    assert_same(e, re, "scale byte")
+    assert_same(q, rq, "q")
+
+
+def test_mxfp8_edge_cases_interpret():
+    x = edge_cases()
+    q, e = Q.mxfp8(x, interpret=True)
+    rq, re = P.quantize_mxfp8(x)
+    assert_same(e, re, "scale byte")
+    assert_same(q, rq, "q")
+    assert (np.asarray(e)[2] == 255).any()  # the inf group's scale is the NaN byte
+
+
+# ---- per block (weights) ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape,in_dtype,pow2",
+    [
+        ((200, 300), F32, False),  # partial blocks on both axes
+        ((3, 130, 129), BF16, False),  # expert stack with partial blocks
+        ((2, 128, 256), BF16, True),
+        ((1, 1), F32, False),
+    ],
+)
+def test_per_block_interpret(shape, in_dtype, pow2):
+    w = rand(shape, 7 + len(shape), in_dtype)
+    q, s = Q.fp8_per_block(w, pow2_scale=pow2, interpret=True)
+    rq, rs = P.quantize_fp8_per_block(w, pow2_scale=pow2)
+    assert_same(s, rs, "scale_inv")
+    assert_same(q, rq, "q")
+
+
+def test_per_block_edge_cases_interpret():
+    w = jnp.concatenate([edge_cases(), jnp.zeros((128, 256), F32)], axis=0)  # plus an all-zero block row
+    q, s = Q.fp8_per_block(w, interpret=True)
+    rq, rs = P.quantize_fp8_per_block(w)
+    assert_same(s, rs, "scale_inv")
+    assert_same(q, rq, "q")
+    s = np.asarray(s)
+    assert np.isnan(s[0]).all() and np.isfinite(s[1]).all()  # the NaN/inf blocks only
+
+
+def test_per_block_rejects_other_blocks():
+    with pytest.raises(ValueError, match="128x128"):
+        Q.fp8_per_block(jnp.ones((128, 128)), (1, 128), interpret=True)
+
+
+# ---- NVFP4 --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape,in_dtype,global_amax",
+    [
+        ((3, 50), F32, None),  # K not a multiple of 16, tensor amax computed first
+        ((2, 64, 256), BF16, "per_expert"),  # expert stack, one global scale per expert, one kernel call
+        ((4, 64), BF16, 2.5),  # a given global amax smaller than the data: saturating block scales
+    ],
+)
+def test_nvfp4_interpret(shape, in_dtype, global_amax):
+    x = rand(shape, 21, in_dtype, spread=False) * 3
+    if global_amax == "per_expert":
+        global_amax = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1)
+    packed, bs, g = Q.nvfp4(x, global_amax=global_amax, interpret=True)
+    rp, rbs, rg = P.quantize_nvfp4(x, global_amax=global_amax)
+    assert_same(g, rg, "global scale")
+    assert_same(bs, rbs, "block scale")
+    assert_same(packed, rp, "packed")
+
+
+def test_nvfp4_edge_cases_interpret():
+    x = edge_cases()
+    packed, bs, g = Q.nvfp4(x, interpret=True)
+    rp, rbs, rg = P.quantize_nvfp4(x)
+    assert_same(g, rg, "global scale")
+    assert_same(bs, rbs, "block scale")
+    assert_same(packed, rp, "packed")
+
+
+def test_nvfp4_unsupported_options_fail_clearly():
+    x = jnp.ones((2, 32))
+    with pytest.raises(NotImplementedError, match="four_over_six"):
+        Q.nvfp4(x, four_over_six=True, interpret=True)
+    with pytest.raises(ValueError, match="global_amax shape"):
+        Q.nvfp4(x, global_amax=jnp.ones((2, 1)), interpret=True)
+
+
+def test_divide_rows_interpret_is_ieee():
+    from pallas_kernels.quantize_common import divide_rows
+
+    x = rand((64, 128), 1) * np.float32(3.0)
+    s = jnp.asarray(np.abs(np.asarray(rand((64, 1), 2)))[:, 0] + np.float32(1e-3))
+    assert_same(divide_rows(x, s, interpret=True), np.asarray(x) / np.asarray(s)[:, None], "x / s")
+
+
+# ---- on the H200 --------------------------------------------------------------------------------------
+
+
+def _cpu_reference(fn, *args, **kwargs):
+    """The contract evaluated by XLA:CPU (the backend its numpy statement was checked on)."""
+    cpu = jax.devices("cpu")[0]
+    move = lambda a: jax.device_put(np.asarray(a), cpu) if isinstance(a, (jax.Array, np.ndarray)) else a
+    args = [move(a) for a in args]
+    kwargs = {k: move(v) for k, v in kwargs.items()}
+    with jax.default_device(cpu):
+        return jax.tree.map(np.asarray, fn(*args, **kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_markstein_division_equals_div_rn():
+    """The per-value division (mul + 2 FMA corrections by RN(1/s)) == div.rn.f32 == numpy, on 50M quotients."""
+    from pallas_kernels.quantize_common import divide_rows
+
+    rng = np.random.default_rng(0)
+    rows = 1 << 16
+    # divisors: random mantissas, all-ones / all-zeros mantissas (reciprocal worst cases), huge exponent range
+    s = np.exp2(rng.uniform(-60, 100, rows)).astype(np.float32)
+    s[::7] = np.float32(1.9999999) * np.exp2(rng.integers(-40, 90, s[::7].shape)).astype(np.float32)
+    s[::11] = np.exp2(rng.integers(-40, 90, s[::11].shape)).astype(np.float32)
+    for seed in range(6):
+        # dividends: random bits within 2^-30 .. 2^9 times the divisor (so |x/s| spans what fp8 can see)
+        mant = rng.integers(0, 1 << 23, (rows, 128), dtype=np.uint32)
+        exp = rng.integers(-30, 10, (rows, 128))
+        x = ((mant | np.uint32(0x3F800000)).view(np.float32) * np.exp2(exp) * s[:, None]).astype(np.float32)
+        x *= np.where(rng.random((rows, 128)) < 0.5, -1, 1).astype(np.float32)
+        x[0, :4] = [0.0, -0.0, 1e-40, -1e-40]
+        got = np.asarray(divide_rows(jnp.asarray(x), jnp.asarray(s)))
+        rn = np.asarray(divide_rows(jnp.asarray(x), jnp.asarray(s), division="div_rn"))
+        expect = x / s[:, None]
+        assert_same(rn, expect, f"div.rn vs numpy, seed {seed}")
+        assert_same(got, expect, f"markstein vs numpy, seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape,in_dtype,dtype,pow2",
+    [
+        ((4096, 4096), BF16, E4M3, False),
+        ((3, 1000, 2048), F32, E4M3, False),
+        ((1, 7168), BF16, E4M3, True),
+        ((777, 1000), BF16, E5M2, False),
+        ((8, 8, 384), F32, E4M3, True),
+    ],
+)
+def test_gpu_per_token_group(shape, in_dtype, dtype, pow2):
+    x = rand(shape, 3, in_dtype)
+    q, s = Q.fp8_per_token_group(x, 128, dtype=dtype, pow2_scale=pow2)
+    rq, rs = _cpu_reference(P.quantize_fp8_per_token_group, x, 128, dtype=dtype, pow2_scale=pow2)
+    assert_same(s, rs, "scale")
+    assert_same(q, rq, "q")
+
+
+@pytest.mark.gpu
+def test_gpu_edge_cases_all_kernels():
+    x = jnp.concatenate([edge_cases(8, 512), rand((248, 512), 9)], axis=0)
+    for pow2 in (False, True):
+        got = Q.fp8_per_token_group(x, pow2_scale=pow2)
+        want = _cpu_reference(P.quantize_fp8_per_token_group, x, pow2_scale=pow2)
+        for a, b, n in zip(got, want, ("q", "scale")):
+            assert_same(a, b, f"token group pow2={pow2} {n}")
+        got = Q.fp8_per_block(x, pow2_scale=pow2)
+        want = _cpu_reference(P.quantize_fp8_per_block, x, pow2_scale=pow2)
+        for a, b, n in zip(got, want, ("q", "scale_inv")):
+            assert_same(a, b, f"block pow2={pow2} {n}")
+    for a, b, n in zip(Q.mxfp8(x), _cpu_reference(P.quantize_mxfp8, x), ("q", "scale byte")):
+        assert_same(a, b, f"mxfp8 {n}")
+    for a, b, n in zip(Q.nvfp4(x), _cpu_reference(P.quantize_nvfp4, x), ("packed", "block scale", "global")):
+        assert_same(a, b, f"nvfp4 {n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,in_dtype", [((4096, 4096), BF16), ((128, 768, 256), BF16), ((1000, 1000), F32), ((1, 64), F32)])
+def test_gpu_per_block(shape, in_dtype):
+    w = rand(shape, 4, in_dtype)
+    q, s = Q.fp8_per_block(w)
+    rq, rs = _cpu_reference(P.quantize_fp8_per_block, w)
+    assert_same(s, rs, "scale_inv")
+    assert_same(q, rq, "q")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,in_dtype", [((4096, 4096), BF16), ((5, 333, 96), F32), ((1, 32), BF16)])
+def test_gpu_mxfp8(shape, in_dtype):
+    x = rand(shape, 6, in_dtype)
+    q, e = Q.mxfp8(x)
+    rq, re = _cpu_reference(P.quantize_mxfp8, x)
+    assert_same(e, re, "scale byte")
+    assert_same(q, rq, "q")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape,in_dtype,per_expert",
+    [((4096, 4096), BF16, False), ((8, 768, 2048), BF16, True), ((3, 40, 48), F32, True), ((1000, 1000), F32, False)],
+)
+def test_gpu_nvfp4(shape, in_dtype, per_expert):
+    x = rand(shape, 8, in_dtype, spread=False)
+    gam = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1) if per_expert else None
+    got = Q.nvfp4(x, global_amax=gam)
+    want = _cpu_reference(P.quantize_nvfp4, x, global_amax=gam)
+    for a, b, n in zip(got, want, ("packed", "block scale", "global")):
+        assert_same(a, b, n)
