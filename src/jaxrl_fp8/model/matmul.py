@@ -1,0 +1,61 @@
+"""The model's only entry to matrix products: `jaxrl_fp8.ops` for every format of the contract.
+
+`fmt=None` means "no precision policy": compute in the parameters' own dtype. For bfloat16 parameters that
+is `ops.linear(fmt="bf16")` itself; for float32 parameters (the fp32 parity tests against transformers) the
+row-invariant float32 dot of ops' XLA path is used, because ops' "bf16" format casts operands to bfloat16.
+A weight kept quantized (`QuantizedWeight`) that meets another format is dequantized first.
+Router and lm_head are high precision by contract: float32 accumulation, never quantized.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_fp8 import ops
+from jaxrl_fp8.ops.grouping import grouped_dot
+from jaxrl_fp8.ops.xla_gemm import dot_nt_f32
+from jaxrl_fp8.precision import QuantizedWeight
+
+F32 = jnp.float32
+
+__all__ = ["linear", "grouped_linear", "high_precision_linear", "weight_dtype"]
+
+
+def weight_dtype(w) -> jnp.dtype:
+    return jnp.dtype(F32) if isinstance(w, QuantizedWeight) else jnp.dtype(w.dtype)
+
+
+def _as_dense(w, dtype):
+    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w
+
+
+def linear(x: jax.Array, w, fmt: str | None, backward: str = "high_precision", out_dtype=None) -> jax.Array:
+    """x [..., K] . w[N, K]^T in format `fmt` (None: the parameters' dtype)."""
+    out_dtype = out_dtype or x.dtype
+    if isinstance(w, QuantizedWeight) and w.fmt != fmt:
+        w = _as_dense(w, x.dtype)
+    if fmt is None:
+        if x.dtype == F32 or w.dtype == F32:
+            return high_precision_linear(x.astype(F32), w.astype(F32), out_dtype)
+        fmt = "bf16"
+    return ops.linear(x, w, fmt=fmt, backward=backward, out_dtype=out_dtype)
+
+
+def grouped_linear(x: jax.Array, w, group_sizes: jax.Array, fmt: str | None, backward: str = "high_precision", out_dtype=None):
+    """Expert GEMM on rows sorted by expert: x [M, K], w [E, N, K]."""
+    out_dtype = out_dtype or x.dtype
+    if isinstance(w, QuantizedWeight) and w.fmt != fmt:
+        w = _as_dense(w, x.dtype)
+    if fmt is None:
+        if x.dtype == F32 or w.dtype == F32:
+            return grouped_dot(x.astype(F32), w.astype(F32), group_sizes, out_dtype=out_dtype, compute_dtype=F32)
+        fmt = "bf16"
+    return ops.grouped_linear(x, w, group_sizes, fmt=fmt, backward=backward, out_dtype=out_dtype)
+
+
+def high_precision_linear(x: jax.Array, w: jax.Array, out_dtype=F32) -> jax.Array:
+    """Row-invariant x . w^T with float32 accumulation in the operands' dtype (router, lm_head)."""
+    lead = x.shape[:-1]
+    y = dot_nt_f32(x.reshape(-1, x.shape[-1]), w)
+    return y.reshape(*lead, w.shape[0]).astype(out_dtype)

@@ -1,0 +1,96 @@
+"""MoE routing, routing replay (R3) and the sorted-token dispatch around the grouped GEMM. Pure functions.
+
+Routing is HF Qwen3-MoE's: float32 softmax over all experts, top-k, renormalized over the k picks when
+`norm_topk_prob`. Replay (R3) keeps the *selection* given by the rollout and takes the gate weights from this
+model's own router probabilities (softmax over all experts, gather the replayed experts, renormalize exactly
+as HF when `norm_topk_prob`); a row holding any negative index falls back to the computed routing.
+
+Dispatch: the N*k (token, expert) pairs are stably sorted by expert, so each expert's rows are contiguous
+for `ops.grouped_linear` (group_sizes = tokens per expert); nothing is dropped and no expert sees a token it
+was not routed. The results are scattered back to (token, slot) order and combined in float32 in slot order
+(a fixed order, so a token's output does not depend on the other tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_fp8.model.numerics import rounded_product, row_sum, softmax
+from jaxrl_fp8.precision.arith import ieee_div
+
+F32 = jnp.float32
+
+__all__ = ["Routing", "route", "dispatch", "combine", "load_balancing_stats", "load_balancing_loss"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    probs: jax.Array  # f32 [N, E] softmax over all experts
+    experts: jax.Array  # int32 [N, k] the experts used
+    weights: jax.Array  # f32 [N, k] their gate weights
+
+
+def route(router_logits: jax.Array, k: int, norm_topk_prob: bool, replay: jax.Array | None = None) -> Routing:
+    """router_logits f32 [N, E]; replay int [N, k] or None."""
+    probs = softmax(router_logits.astype(F32))
+    _, top = lax.top_k(probs, k)
+    experts = top.astype(jnp.int32)
+    if replay is not None:
+        replay = replay.astype(jnp.int32)
+        use = jnp.all(replay >= 0, axis=-1, keepdims=True)
+        experts = jnp.where(use, replay, experts)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if norm_topk_prob:
+        weights = ieee_div(weights, row_sum(weights, keepdims=True))
+    return Routing(probs, experts, weights)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    order: jax.Array  # int32 [N*k]: position p of the sorted rows holds pair order[p]
+    group_sizes: jax.Array  # int32 [E]
+    token_of_row: jax.Array  # int32 [N*k]
+
+
+def dispatch(experts: jax.Array, num_experts: int) -> Dispatch:
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
+    return Dispatch(order, group_sizes, order // experts.shape[-1])
+
+
+def combine(rows_sorted: jax.Array, d: Dispatch, weights: jax.Array) -> jax.Array:
+    """rows_sorted [N*k, H] (expert order) -> sum_j weights[:, j] * row(token, j), float32 [N, H]."""
+    n, k = weights.shape
+    unsorted = jnp.zeros_like(rows_sorted).at[d.order].set(rows_sorted)
+    per_slot = unsorted.reshape(n, k, -1).astype(F32)
+    out = rounded_product(weights[:, 0, None], per_slot[:, 0])
+    for j in range(1, k):
+        out = out + rounded_product(weights[:, j, None], per_slot[:, j])
+    return out
+
+
+def load_balancing_stats(routing: Routing, num_experts: int, token_mask: jax.Array | None = None):
+    """Per-layer sums for HF's load-balancing loss: (tokens per expert, router prob per expert, rows)."""
+    n = routing.probs.shape[0]
+    mask = jnp.ones((n,), F32) if token_mask is None else token_mask.reshape(-1).astype(F32)
+    counts = jnp.zeros((num_experts,), F32).at[routing.experts].add(mask[:, None], mode="drop")
+    prob_sum = jnp.sum(routing.probs * mask[:, None], axis=0)
+    return counts, prob_sum, jnp.sum(mask)
+
+
+def load_balancing_loss(stats, num_experts: int) -> jax.Array:
+    """HF `load_balancing_loss_func`: E * sum_e (mean count_e) * (mean prob_e), means over all MoE layers' rows."""
+    if not stats:
+        return jnp.zeros((), F32)
+    counts = sum(s[0] for s in stats)
+    probs = sum(s[1] for s in stats)
+    rows = sum(s[2] for s in stats)
+    rows = jnp.maximum(rows, 1.0)
+    return jnp.sum((counts / rows) * (probs / rows)) * num_experts

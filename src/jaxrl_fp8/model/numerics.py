@@ -1,0 +1,107 @@
+"""Row-invariant reductions: a token's result must not depend on how many other tokens share the batch.
+
+Why: the rollout engine decodes one token per row while the trainer recomputes whole sequences, and RL
+wants both to produce the same log-probabilities bit for bit. XLA:CPU picks its reduction and dot strategy
+from the whole shape (measured on jax 0.11.2: a row sum over 2048 values of a one-row array differs from
+the same row inside a 40-row array), so the few reductions on that path are written as a fixed sequence of
+elementwise operations, which XLA compiles identically for every row:
+
+- `row_sum`: a pairwise tree. The axis is zero-padded to a power of two and halved repeatedly
+  (x[:n/2] + x[n/2:]). Padding with zeros is exact, so the result is also independent of how far the axis
+  was padded.
+- maxima are exact in any order, so `jnp.max` is used as is.
+- `rounded_product`: XLA:CPU contracts a*b+c into one FMA when the multiply and the add land in the same
+  fusion, and fusion depends on the surrounding graph (a decode step and a full forward are different
+  graphs). Products that feed an add are therefore materialized behind `lax.optimization_barrier`, so they
+  are rounded on every path.
+- `lanewise`: XLA:CPU computes exp/log/sin/cos/logistic with one code sequence in its vectorized loop body
+  and another in the scalar remainder loop (measured: `jnp.exp` of a 7-element array differs in 5 elements
+  from the same values inside a 119-element array). Transcendentals therefore run on a flat copy padded to
+  whole 64-lane rows, fenced by optimization barriers so the padded loop is not fused back into an
+  arbitrary shape. Only on CPU; on accelerators it is the plain function.
+- 1/sqrt is computed as an IEEE division of an IEEE square root (both correctly rounded everywhere).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_fp8.precision.arith import ieee_div
+
+F32 = jnp.float32
+
+__all__ = ["row_sum", "rounded_product", "lanewise", "exp", "silu", "rms_norm", "log_softmax", "softmax"]
+
+LANES = 64
+
+
+def lanewise(fn, x: jax.Array) -> jax.Array:
+    """fn(x) for an elementwise fn, computed so every element takes the same (vectorized) code path."""
+    if jax.default_backend() != "cpu" or x.size == 0:
+        return fn(x)
+    flat = x.reshape(-1)
+    pad = (-flat.size) % LANES
+    rows = jnp.pad(flat, (0, pad)).reshape(-1, LANES)
+    y = lax.optimization_barrier(fn(lax.optimization_barrier(rows)))
+    return y.reshape(-1)[: flat.size].reshape(x.shape)
+
+
+def exp(x: jax.Array) -> jax.Array:
+    return lanewise(jnp.exp, x)
+
+
+def silu(x: jax.Array) -> jax.Array:
+    """x * sigmoid(x), as HF's SiLU, with a row-invariant sigmoid."""
+    return x * lanewise(jax.nn.sigmoid, x)
+
+
+def rounded_product(a: jax.Array, b) -> jax.Array:
+    """a * b, rounded before any later add can fuse with it (no FMA contraction; see module doc)."""
+    return lax.optimization_barrier(a * b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def row_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Sum over `axis` as a fixed pairwise tree of elementwise adds (row invariant, see module doc)."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    p = _next_pow2(n)
+    if p != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)])
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    out = x[..., 0]
+    if keepdims:
+        out = jnp.expand_dims(out, axis if axis >= 0 else out.ndim + 1 + axis)
+    return out
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """HF Qwen3 RMSNorm: normalize in float32, cast back to x's dtype, then multiply by the scale."""
+    xf = x.astype(F32)
+    # An explicit multiply by 1/H (XLA would rewrite a division by a constant into this anyway).
+    var = rounded_product(row_sum(xf * xf, keepdims=True), F32(1.0 / x.shape[-1]))
+    inv = ieee_div(F32(1.0), jnp.sqrt(var + F32(eps)))
+    y = (xf * inv).astype(x.dtype)
+    return scale.astype(x.dtype) * y
+
+
+def log_softmax(logits: jax.Array) -> jax.Array:
+    """float32 log-softmax over the last axis with the row-invariant sum."""
+    z = logits.astype(F32)
+    m = lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    shifted = z - m
+    return shifted - lanewise(jnp.log, row_sum(exp(shifted), keepdims=True))
+
+
+def softmax(logits: jax.Array) -> jax.Array:
+    """float32 softmax over the last axis with the row-invariant sum."""
+    z = logits.astype(F32)
+    e = exp(z - lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True)))
+    return ieee_div(e, row_sum(e, keepdims=True))

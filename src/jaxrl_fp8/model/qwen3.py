@@ -1,0 +1,264 @@
+"""Flax NNX Qwen3-MoE / Qwen3 decoder. Parameter paths are the trainer names of `precision.names.TABLE`.
+
+The forward takes a `PrecisionPolicy` (or None) and resolves it, per projection, to a static format from the
+projection's trainer path, so the same parameters run under the rollout format and the training format.
+Weights stay in HF layout [out, in] ([E, out, in] for expert stacks). Every projection goes through
+`model.matmul` -> `jaxrl_fp8.ops`; norms, embeddings, the router and lm_head stay high precision.
+Parameters carry logical axis names (embed, heads, kv, mlp, expert, vocab) as NNX sharding metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_fp8.model import matmul, moe as moe_lib
+from jaxrl_fp8.model.attention import attention, cache_mask, causal_segment_mask
+from jaxrl_fp8.model.cache import KVCache
+from jaxrl_fp8.model.config import ModelConfig
+from jaxrl_fp8.model.numerics import rms_norm, silu
+from jaxrl_fp8.model.rope import apply_rope, rope_cos_sin
+
+F32 = jnp.float32
+
+__all__ = ["Qwen3", "ModelOutput", "segment_positions"]
+
+
+def _param(value, axes):
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return (jax.random.normal(rngs.params(), shape, F32) * std).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """weight [out, in] (HF layout). The matmul happens in the caller, which knows the format."""
+
+    def __init__(self, out_features: int, in_features: int, axes, *, dtype, rngs: nnx.Rngs):
+        self.weight = _param(_normal(rngs, (out_features, in_features), dtype), axes)
+
+
+class ExpertStack(nnx.Module):
+    """weight [E, out, in]: the experts of one projection stacked, each in HF layout."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int, axes, *, dtype, rngs: nnx.Rngs):
+        self.weight = _param(_normal(rngs, (num_experts, out_features, in_features), dtype), axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, size: int, axes, *, dtype):
+        self.scale = _param(jnp.ones((size,), dtype), axes)
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, hidden: int, *, dtype, rngs: nnx.Rngs):
+        self.embedding = _param(_normal(rngs, (vocab, hidden), dtype), ("vocab", "embed"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    """Static per-call settings threaded through the layers."""
+
+    policy: object  # PrecisionPolicy | None
+    backward: str
+
+    def fmt(self, trainer_path: str) -> str | None:
+        return None if self.policy is None else self.policy.format_for_trainer(trainer_path)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.cfg, self.layer = cfg, layer
+        h, kv, d, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = Linear(h * d, e, ("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(kv * d, e, ("kv", "embed"), dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(kv * d, e, ("kv", "embed"), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(e, h * d, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(d, (None,), dtype=dtype)
+        self.k_norm = RMSNorm(d, (None,), dtype=dtype)
+
+    def _proj(self, name: str, x, ctx: _Ctx):
+        w = getattr(self, name).weight.get_value()
+        return matmul.linear(x, w, ctx.fmt(f"layers.{self.layer}.attn.{name}.weight"), ctx.backward)
+
+    def __call__(self, x, cos, sin, mask, ctx: _Ctx, cache: KVCache | None, slots):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        d = cfg.head_dim
+        q = self._proj("q_proj", x, ctx).reshape(b, t, cfg.num_attention_heads, d)
+        k = self._proj("k_proj", x, ctx).reshape(b, t, cfg.num_key_value_heads, d)
+        v = self._proj("v_proj", x, ctx).reshape(b, t, cfg.num_key_value_heads, d)
+        q = rms_norm(q, self.q_norm.scale.get_value(), cfg.rms_norm_eps)
+        k = rms_norm(k, self.k_norm.scale.get_value(), cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            cache = cache.write(self.layer, k, v, slots)
+            k, v = cache.k[self.layer], cache.v[self.layer]
+        out = attention(q, k, v, mask, scale=d**-0.5, impl=cfg.attention_impl)
+        return self._proj("o_proj", out.reshape(b, t, -1), ctx), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.layer = layer
+        i, e = cfg.intermediate_size, cfg.hidden_size
+        self.gate_proj = Linear(i, e, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(i, e, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(e, i, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+
+    def _proj(self, name, x, ctx):
+        w = getattr(self, name).weight.get_value()
+        return matmul.linear(x, w, ctx.fmt(f"layers.{self.layer}.mlp.{name}.weight"), ctx.backward)
+
+    def __call__(self, x, ctx: _Ctx):
+        h = silu(self._proj("gate_proj", x, ctx)) * self._proj("up_proj", x, ctx)
+        return self._proj("down_proj", h, ctx)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.cfg, self.layer = cfg, layer
+        n, i, e = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.router = Linear(n, e, ("expert", "embed"), dtype=dtype, rngs=rngs)
+        self.gate_proj = ExpertStack(n, i, e, ("expert", "mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.up_proj = ExpertStack(n, i, e, ("expert", "mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.down_proj = ExpertStack(n, e, i, ("expert", "embed", "mlp"), dtype=dtype, rngs=rngs)
+
+    def _proj(self, name, x, gs, ctx):
+        w = getattr(self, name).weight.get_value()
+        return matmul.grouped_linear(x, w, gs, ctx.fmt(f"layers.{self.layer}.moe.{name}.weight"), ctx.backward)
+
+    def __call__(self, x, ctx: _Ctx, replay=None):
+        """x [N, H] -> (y [N, H], Routing)."""
+        cfg = self.cfg
+        logits = matmul.high_precision_linear(x.astype(F32), self.router.weight.get_value().astype(F32))
+        routing = moe_lib.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, replay)
+        d = moe_lib.dispatch(routing.experts, cfg.num_experts)
+        xs = x[d.token_of_row]
+        h = silu(self._proj("gate_proj", xs, d.group_sizes, ctx)) * self._proj("up_proj", xs, d.group_sizes, ctx)
+        y = self._proj("down_proj", h, d.group_sizes, ctx)
+        return moe_lib.combine(y, d, routing.weights).astype(x.dtype), routing
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.cfg, self.layer = cfg, layer
+        self.input_norm = RMSNorm(cfg.hidden_size, ("embed",), dtype=dtype)
+        self.attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, ("embed",), dtype=dtype)
+        if cfg.is_moe_layer(layer):
+            self.moe = MoE(cfg, layer, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, layer, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask, ctx, cache, slots, replay):
+        eps = self.cfg.rms_norm_eps
+        a, cache = self.attn(rms_norm(x, self.input_norm.scale.get_value(), eps), cos, sin, mask, ctx, cache, slots)
+        x = x + a
+        h = rms_norm(x, self.post_attn_norm.scale.get_value(), eps)
+        routing = None
+        if self.cfg.is_moe_layer(self.layer):
+            b, t, e = h.shape
+            flat_replay = None if replay is None else replay.reshape(b * t, -1)
+            y, routing = self.moe(h.reshape(b * t, e), ctx, flat_replay)
+            y = y.reshape(b, t, e)
+        else:
+            y = self.mlp(h, ctx)
+        return x + y, cache, routing
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelOutput:
+    logits: jax.Array  # f32 [B, T, V]
+    routed_experts: jax.Array  # int32 [B, T, num_hidden_layers, k]; -1 for dense layers (k = 1 without MoE)
+    aux_loss: jax.Array  # f32 scalar, HF's load-balancing loss (0 without MoE layers)
+    cache: KVCache | None = None
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Positions restarting at 0 at each segment start of a packed row (segments are contiguous runs)."""
+    t = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    new = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where(new, idx, 0), axis=1)
+    return idx - start
+
+
+class Qwen3(nnx.Module):
+    """The whole causal LM. Call it with token ids; see `__call__`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, ("embed",), dtype=dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"), dtype=dtype, rngs=rngs)
+
+    @property
+    def dtype(self):
+        return self.embed.embedding.get_value().dtype
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        routed_experts: jax.Array | None = None,
+        cache: KVCache | None = None,
+        policy=None,
+        backward: str = "high_precision",
+        token_mask: jax.Array | None = None,
+    ) -> ModelOutput:
+        """Forward over input_ids [B, T].
+
+        positions: [B, T] rotary positions (default: restart per segment, or the cache slots when decoding).
+        segment_ids: [B, T] packed-sequence ids; a token attends to earlier tokens of its own segment only.
+        routed_experts: [B, T, num_hidden_layers, k] expert ids to replay (R3); rows with -1 use the router.
+        cache: a KVCache; the T tokens are written at slots lengths[b] + t and attend to the cache. The
+            returned cache has lengths + T.
+        policy: a precision.PrecisionPolicy (format per projection) or None (the parameters' dtype).
+        backward: ops backward mode ("high_precision", "dequantized", "fp8").
+        token_mask: [B, T] tokens counted by the load-balancing loss (default all).
+        """
+        cfg = self.cfg
+        b, t = input_ids.shape
+        ctx = _Ctx(policy, backward)
+        slots = None
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with a KV cache (one sequence per cache row)")
+            slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+            mask = cache_mask(slots, cache.max_len)
+            if positions is None:
+                positions = slots
+        else:
+            seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids
+            mask = causal_segment_mask(seg)
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if segment_ids is None else segment_positions(seg)
+        x = self.embed.embedding.get_value()[input_ids]
+        cos, sin = rope_cos_sin(cfg, positions, x.dtype)
+        k = max(cfg.num_experts_per_tok, 1)
+        routed, stats = [], []
+        for i, layer in enumerate(self.layers):
+            replay = None if routed_experts is None or not cfg.is_moe_layer(i) else routed_experts[:, :, i, :]
+            x, cache, routing = layer(x, cos, sin, mask, ctx, cache, slots, replay)
+            if routing is None:
+                routed.append(jnp.full((b, t, k), -1, jnp.int32))
+            else:
+                routed.append(routing.experts.reshape(b, t, k))
+                stats.append(moe_lib.load_balancing_stats(routing, cfg.num_experts, token_mask))
+        x = rms_norm(x, self.final_norm.scale.get_value(), cfg.rms_norm_eps)
+        head = self.embed.embedding.get_value() if cfg.tie_word_embeddings else self.lm_head.weight.get_value()
+        logits = matmul.high_precision_linear(x, head.astype(x.dtype), F32)
+        if cache is not None:
+            cache = dataclasses.replace(cache, lengths=cache.lengths + t)
+        return ModelOutput(logits, jnp.stack(routed, axis=2), moe_lib.load_balancing_loss(stats, cfg.num_experts), cache)
