@@ -198,25 +198,23 @@ def _evaluate(trainer, records, tokenizer, reward_fn, loader_cfg) -> float:
 
 
 def _export_final(trainer, model, recipe, rollout_policy, tokenizer, workdir) -> None:
-    """HF safetensors of the final masters in BF16 and, if the rollout format is quantized, in that format."""
+    """HF safetensors of the final masters in BF16 and, if the rollout format is quantized, in that format
+    (through converters.export: the same quantization step as the CLI converters and the live weight push)."""
+    from converters.export import save_exported
     from flax import nnx
+
+    from jaxrl_fp8.model import Policy
+    from jaxrl_fp8.model.config import to_hf_config
 
     export_dir = os.path.join(workdir, "export")
     os.makedirs(export_dir, exist_ok=True)
     final = nnx.merge(trainer.graphdef, trainer.params)
-    from jaxrl_fp8.model import Policy
-
     bf16_dir = os.path.join(export_dir, "hf_bf16")
     Policy(final).save_pretrained(bf16_dir, dtype="bfloat16")
     tokenizer.save(bf16_dir)
     if recipe.rollout_format != "bf16":
-        try:
-            from converters.api import convert_directory
-        except ImportError:
-            logging.warning("converters.api is not available: %s export skipped", recipe.rollout_format)
-            return
-        convert_directory(bf16_dir, os.path.join(export_dir, f"hf_{recipe.rollout_format}"), fmt=recipe.rollout_format,
-                          policy=rollout_policy, overwrite=True)
+        save_exported(final, recipe, rollout_policy, os.path.join(export_dir, f"hf_{recipe.rollout_format}"),
+                      hf_config=to_hf_config(final.cfg, dtype="bfloat16"), overwrite=True, side_files_from=bf16_dir)
 
 
 def main(argv):

@@ -128,7 +128,7 @@ class Trainer:
                                ref_logp=mb.get("ref_logp"), entropy=ent, num_tokens=num_tokens)
 
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = self.optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
