@@ -21,22 +21,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl_fp8.model import token_logprobs as model_token_logprobs
-from jaxrl_fp8.precision.arith import ieee_div
 from jaxrl_fp8.rl import advantages as adv_lib
 from jaxrl_fp8.rl.batch import TrainBatch, build_batch
 from jaxrl_fp8.rl.losses import PolicyLossConfig, policy_loss
 from jaxrl_fp8.rl.mismatch import mismatch_metrics
 from jaxrl_fp8.rl.rewards import compute_rewards
+# The rollout's log-prob convention (log_softmax(logits / T), row invariant): one definition for sampler and learner.
+from jaxrl_fp8.rollout.sampling import token_logprobs
 from jaxrl_fp8.rollout.types import SamplingParams
 
-__all__ = ["TrainerSettings", "Trainer", "token_logprobs", "make_optimizer"]
-
-
-def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """log softmax(logits / temperature)[target]: the model's row-invariant log-prob of tempered logits."""
-    z = logits.astype(jnp.float32)
-    return model_token_logprobs(z if temperature == 1.0 else ieee_div(z, temperature), targets)
+__all__ = ["TrainerSettings", "Trainer", "make_optimizer"]
 
 
 def _entropy(logits: jax.Array, temperature: float) -> jax.Array:

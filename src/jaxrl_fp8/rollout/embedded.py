@@ -1,0 +1,620 @@
+"""The embedded JAX rollout engine: the trainer's own model and ops, a KV cache, batched sampling.
+
+Why it exists: on one machine (and in every test) rollout must run with nothing else installed, and in
+unified recipes (BF16/BF16, FP8/FP8) its log-probs must equal the trainer's recomputation bit for bit. It
+gets there by construction, not by tolerance:
+
+- the forward is `model.Qwen3` itself under the recipe's ROLLOUT `PrecisionPolicy` (same `ops`, same
+  contract functions); weights are prepared once per version into exactly the operands the trainer's ops
+  build on the fly (`ops.operands.fp8_weight` for fp8-block, `quantize_weight` for MXFP8/NVFP4, a BF16
+  cast for bf16), or are the `QuantizedWeight`s of an FP8 checkpoint;
+- prompts are RIGHT-padded, so a token's rotary position is its cache slot; the model's reductions and
+  attention are row invariant (`model.numerics`, `model.attention` "exact"), so decoding token t gives the
+  bits the trainer's full forward gives at t, whatever the batch, its padding or the cache length;
+- log-probs and sampling follow `rollout.sampling` (full tempered distribution, IEEE temperature division,
+  per-row seeds folded with the response step).
+
+Generation: samples are sorted by length and cut into chunks of at most `max_batch` rows; each chunk is
+padded to bucketed shapes (rows, prompt length, cache length: powers of two) so few programs compile,
+prefilled in one call and decoded with a fixed-shape step until every row stopped. The decode loop is a
+`lax.while_loop` inside the same jit ("while", default) or a jitted step driven from Python ("python").
+Weight versions are swapped atomically between `generate` calls (a lock), never inside one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxrl_fp8.model import loader
+from jaxrl_fp8.model.cache import KVCache, init_cache
+from jaxrl_fp8.model.config import ModelConfig
+from jaxrl_fp8.model.policy import Policy, from_pretrained
+from jaxrl_fp8.model.qwen3 import Qwen3
+from jaxrl_fp8.ops import operands
+from jaxrl_fp8.precision import PrecisionPolicy, QuantizedWeight, Recipe, detect_hardware, quantize_weight
+from jaxrl_fp8.precision import formats as F
+from jaxrl_fp8.precision.names import TensorRole, hf_to_trainer, role_of_hf, trainer_to_hf
+from jaxrl_fp8.rollout import sampling
+from jaxrl_fp8.rollout.types import MAX_SEED, ModelInfo, Sample, SamplingParams, per_prompt_sampling, sample_seed
+
+__all__ = ["EmbeddedEngine", "EngineConfig", "prepare_rollout_params"]
+
+DECODE_LOOPS = ("while", "python")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits and scheduling knobs (validated at construction)."""
+
+    max_batch: int = 64  # sample rows decoded together (one chunk)
+    max_seq_len: int = 2048  # prompt + response tokens of one row (the KV cache length)
+    eos_token_ids: tuple[int, ...] = ()  # stop ids added to every request unless ignore_eos
+    decode_loop: str = "while"  # "while": lax.while_loop in one jit; "python": a jitted step per token
+    min_prompt_bucket: int = 8
+    min_cache_bucket: int = 16
+    # True: every chunk runs at (max_batch rows, max_seq_len prompt/cache/response), so exactly one program
+    # compiles (steady serving, tests); False: shapes are bucketed to powers of two per chunk.
+    static_shapes: bool = False
+    seed: int = 0  # draws the base seed of requests that bring none
+    model_path: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        for name in ("max_batch", "max_seq_len", "min_prompt_bucket", "min_cache_bucket"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"EngineConfig.max_seq_len must be >= 2 (a prompt token and a response token), got {self.max_seq_len}")
+        if self.decode_loop not in DECODE_LOOPS:
+            raise ValueError(f"EngineConfig.decode_loop={self.decode_loop!r}; expected one of {DECODE_LOOPS}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"EngineConfig.seed must be in [0, {MAX_SEED}], got {self.seed}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Weights: master / checkpoint parameters -> the operands the rollout format computes with
+
+
+def _is_quantizable(trainer_path: str) -> bool:
+    expert = 0 if ".moe." in trainer_path and not trainer_path.endswith("router.weight") else None
+    try:
+        return role_of_hf(trainer_to_hf(trainer_path, expert)) in (TensorRole.LINEAR, TensorRole.EXPERT)
+    except (KeyError, ValueError):
+        return False
+
+
+def rollout_operand(value, fmt: str | None):
+    """A projection weight as the rollout format consumes it; bit-identical to what `ops` builds on the fly.
+
+    fp8-block: `ops.operands.fp8_weight` (the trainer's own quantizer call) wrapped as a QuantizedWeight;
+    mxfp8/nvfp4: `precision.quantize_weight`; bf16: a BF16 cast (ops casts to BF16 anyway); None: as is.
+    A QuantizedWeight already in `fmt` (an FP8 checkpoint) is used as loaded.
+    """
+    if fmt is None:
+        return value
+    if isinstance(value, QuantizedWeight):
+        if value.fmt == fmt:
+            return value
+        value = value.dequantize(jnp.float32)  # the model would do this on every call; do it once
+    if fmt == F.BF16:
+        return jnp.asarray(value).astype(jnp.bfloat16)
+    if fmt == F.FP8_BLOCK:
+        q, s = operands.fp8_weight(value)
+        return QuantizedWeight(q, s, None, F.FP8_BLOCK, int(value.shape[-1]))
+    return quantize_weight(value, fmt)
+
+
+def prepare_rollout_params(model: Qwen3, precision: PrecisionPolicy | None):
+    """(graphdef, state) of `model` with every projection weight replaced by its rollout operand."""
+    graphdef, state = nnx.split(model)
+    items = []
+    for path, var in nnx.to_flat_state(state):  # new Variables: the caller's model is never modified
+        tp = loader.trainer_path(path)
+        value = var.get_value()
+        if precision is not None and _is_quantizable(tp):
+            value = rollout_operand(value, precision.format_for_trainer(tp))
+        items.append((path, var.replace(value)))
+    return graphdef, nnx.from_flat_state(items)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weights:
+    """One immutable weight version: what a `generate` call snapshots at its start."""
+
+    graphdef: Any
+    state: Any
+    version: str
+    dtype: Any  # activation / KV-cache dtype (the embedding's)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The jitted programs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Per-row sampling parameters of one chunk (all [B])."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seeds: jax.Array
+    max_new: jax.Array
+    stop_ids: jax.Array  # [B, M], -1 padded
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Carry:
+    t: jax.Array  # the response index drawn next
+    cache: KVCache
+    tokens: jax.Array  # int32 [B, N]
+    logprobs: jax.Array  # f32 [B, N]
+    routed: jax.Array  # int32 [B, N, layers, k]: routing of response token t (fed at step t + 1)
+    done: jax.Array  # bool [B]
+    count: jax.Array  # int32 [B] response tokens produced
+
+
+def _draw(logits, rows: _Rows, t, done, count, tokens, logprobs):
+    """Sample response token t for every row from its logits [B, V]; update buffers and stop state."""
+    steps = jnp.full(done.shape, t, jnp.int32)
+    tok = sampling.sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, steps)
+    lp = sampling.token_logprobs(logits, tok, rows.temperature)
+    active = ~done
+    tokens = tokens.at[:, t].set(jnp.where(active, tok, 0))
+    logprobs = logprobs.at[:, t].set(jnp.where(active, lp, 0.0))
+    count = count + active.astype(jnp.int32)
+    stop = jnp.any(tok[:, None] == rows.stop_ids, axis=-1)
+    done = done | (active & (stop | (count >= rows.max_new)))
+    return done, count, tokens, logprobs
+
+
+def _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows: _Rows, cache_len, max_new, dtype):
+    """Right-padded prompts [B, P] into a fresh cache, then draw response token 0.
+
+    Returns (carry for the decode loop, routed experts of the prompt positions [B, P, layers, k]).
+    """
+    model = nnx.merge(graphdef, state)
+    b = prompt_ids.shape[0]
+    cfg = model.cfg
+    out = model(prompt_ids, cache=init_cache(cfg, b, cache_len, dtype), policy=precision)
+    cache = KVCache(out.cache.k, out.cache.v, prompt_lens)
+    last = jnp.take_along_axis(out.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    k = out.routed_experts.shape[-1]
+    tokens = jnp.zeros((b, max_new), jnp.int32)
+    logprobs = jnp.zeros((b, max_new), jnp.float32)
+    routed = jnp.zeros((b, max_new, cfg.num_hidden_layers, k), jnp.int32)
+    done = rows.max_new <= 0
+    done, count, tokens, logprobs = _draw(last, rows, 0, done, jnp.zeros((b,), jnp.int32), tokens, logprobs)
+    carry = _Carry(jnp.int32(1), cache, tokens, logprobs, routed, done, count)
+    return carry, out.routed_experts
+
+
+def _decode_step(model, precision, rows: _Rows, c: _Carry) -> _Carry:
+    """Feed response token t-1 of every row, draw token t."""
+    feed = c.tokens[:, c.t - 1]
+    out = model(feed[:, None], cache=c.cache, policy=precision)
+    routed = c.routed.at[:, c.t - 1].set(out.routed_experts[:, 0])
+    done, count, tokens, logprobs = _draw(out.logits[:, 0], rows, c.t, c.done, c.count, c.tokens, c.logprobs)
+    return _Carry(c.t + 1, out.cache, tokens, logprobs, routed, done, count)
+
+
+def _running(c: _Carry) -> jax.Array:
+    return (c.t < c.tokens.shape[1]) & ~jnp.all(c.done)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "cache_len", "max_new", "dtype"))
+def _generate_while(graphdef, state, prompt_ids, prompt_lens, rows, *, precision, cache_len, max_new, dtype):
+    carry, prompt_routed = _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows, cache_len, max_new, dtype)
+    model = nnx.merge(graphdef, state)
+    carry = lax.while_loop(_running, lambda c: _decode_step(model, precision, rows, c), carry)
+    return carry, prompt_routed
+
+
+_prefill_jit = jax.jit(_prefill, static_argnums=(0, 2, 6, 7, 8))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "precision"), donate_argnames=("carry",))
+def _decode_jit(graphdef, state, rows, carry, *, precision):
+    return _decode_step(nnx.merge(graphdef, state), precision, rows, carry)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scheduling helpers (host side)
+
+
+def _bucket(n: int, minimum: int, cap: int | None = None) -> int:
+    b = max(minimum, 1 << max(0, (n - 1).bit_length()))
+    return b if cap is None else min(b, cap)
+
+
+@dataclasses.dataclass
+class _Row:
+    prompt_index: int
+    sample_index: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+
+
+class EmbeddedEngine:
+    """A `RolloutEngine` that runs the trainer's model in-process (see the module docstring).
+
+    model_or_params: a `model.Policy`, a `model.Qwen3`, or a dict {trainer path: array | QuantizedWeight}
+        (then `config` is the `ModelConfig`).
+    recipe: the precision recipe; the engine computes in `recipe.rollout_format`. None: the parameters' dtype.
+    policy: the training-side `PrecisionPolicy` (per-layer exceptions); its rollout twin is
+        `policy.with_format(recipe.rollout_format)`. Default: from the Policy, else the recipe's plain policy.
+    """
+
+    def __init__(
+        self,
+        model_or_params,
+        config: ModelConfig | None = None,
+        *,
+        recipe: Recipe | None = None,
+        policy: PrecisionPolicy | None = None,
+        max_batch: int = 64,
+        max_seq_len: int = 2048,
+        eos_token_ids: Sequence[int] = (),
+        decode_loop: str = "while",
+        static_shapes: bool = False,
+        seed: int = 0,
+        model_path: str = "",
+        weight_version: str = "0",
+        engine_config: EngineConfig | None = None,
+    ):
+        self.config = engine_config or EngineConfig(
+            max_batch=max_batch, max_seq_len=max_seq_len, eos_token_ids=tuple(eos_token_ids),
+            decode_loop=decode_loop, static_shapes=static_shapes, seed=seed, model_path=model_path,
+        )
+        model, recipe, policy = self._resolve_model(model_or_params, config, recipe, policy)
+        self.model_config: ModelConfig = model.cfg
+        if recipe is not None:
+            try:
+                hardware = detect_hardware()
+            except ValueError as e:  # an accelerator the table does not know: run, but say so
+                logging.getLogger(__name__).warning("not validating recipe %s for this device: %s", recipe.name, e)
+            else:
+                recipe.validate_for(hardware)
+        self.recipe = recipe
+        cfg = self.model_config
+        if recipe is None:
+            self.precision = None
+        else:
+            base = policy or PrecisionPolicy.for_format(recipe.train_format, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts)
+            self.precision = base.with_format(recipe.rollout_format)
+        for t in self.config.eos_token_ids:
+            if not 0 <= t < cfg.vocab_size:
+                raise ValueError(f"eos_token_ids holds {t}, outside the vocabulary [0, {cfg.vocab_size})")
+        self._lock = threading.Lock()
+        self._rng = np.random.default_rng(self.config.seed)
+        self._paused = False
+        self._weights = self._prepare(model, str(weight_version))
+        self.model_path = self.config.model_path
+        self.last_stats: dict[str, float] = {}
+
+    # -------------------------------------------------------------------------------------- weights
+    @staticmethod
+    def _resolve_model(model_or_params, config, recipe, policy):
+        if isinstance(model_or_params, Policy):
+            p = model_or_params
+            return p.model, recipe if recipe is not None else p.recipe, policy if policy is not None else p.train_precision
+        if isinstance(model_or_params, Qwen3):
+            return model_or_params, recipe, policy
+        if isinstance(model_or_params, dict):
+            if not isinstance(config, ModelConfig):
+                raise ValueError("EmbeddedEngine(params_dict, config): config must be the ModelConfig of the params")
+            dtype = jnp.asarray(model_or_params["embed.embedding"]).dtype if "embed.embedding" in model_or_params else jnp.bfloat16
+            return loader.build_model(config, model_or_params, dtype=dtype), recipe, policy
+        raise TypeError(f"EmbeddedEngine needs a model.Policy, a model.Qwen3 or a params dict; got {type(model_or_params).__name__}")
+
+    def _prepare(self, model: Qwen3, version: str) -> _Weights:
+        if model.cfg != self.model_config:
+            raise ValueError(
+                "new weights have a different model config than the engine was built with "
+                f"(engine: {self.model_config}, new: {model.cfg}); start a new engine for another architecture"
+            )
+        graphdef, state = prepare_rollout_params(model, self.precision)
+        jax.block_until_ready(state)
+        return _Weights(graphdef, state, version, model.dtype)
+
+    def _swap(self, weights: _Weights) -> None:
+        with self._lock:  # waits for a running generate: a sample never mixes two versions
+            self._weights = weights
+
+    def update_params(self, model_or_params, weight_version: str) -> None:
+        """In-process update from a `Policy`, a `Qwen3` or a {trainer path: array} dict (the fast path)."""
+        model, _, _ = self._resolve_model(model_or_params, self.model_config, None, None)
+        self._swap(self._prepare(model, str(weight_version)))
+
+    def update_weights(self, named_arrays: Iterable[tuple[str, Any]], weight_version: str) -> None:
+        """Update from (HF name, array) pairs, e.g. `converters.export.export_weights` buckets.
+
+        Float arrays are master / BF16 values; block-FP8 pairs (`X.weight` e4m3 + `X.weight_scale_inv`) become
+        `QuantizedWeight`s used as sent (the exporter runs the contract's quantizer, so they equal what the
+        trainer's ops compute from the masters). Tensors not named keep their current values; a subset of the
+        experts of a layer updates only those experts. Nothing changes if any tensor is rejected.
+        Note: high-precision tensors (norms, embeddings, router, lm_head) are used as sent, so export them in
+        the trainer's dtype (not rounded to BF16) when rollout must match the trainer bit for bit.
+        """
+        current = self._weights
+        arrays: dict[str, Any] = {}
+        scales: dict[str, Any] = {}
+        for name, array in named_arrays:
+            if name.endswith(".weight_scale_inv"):
+                scales[name[: -len("_scale_inv")]] = array
+            elif name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
+                raise ValueError(f"update_weights: {name!r} belongs to an MXFP8/NVFP4 export; the embedded engine takes "
+                                 "float or block-FP8 (weight + weight_scale_inv) tensors")
+            else:
+                arrays[name] = array
+        for wname in scales:
+            if wname not in arrays:
+                raise ValueError(f"update_weights: {wname + '_scale_inv'!r} arrived without {wname!r}")
+        updates: dict[str, dict[int | None, Any]] = {}
+        hf_name_of: dict[str, str] = {}
+        for name, array in arrays.items():
+            try:
+                tp, expert = hf_to_trainer(name)
+            except KeyError as e:
+                raise ValueError(f"update_weights: {e.args[0]}") from None
+            updates.setdefault(tp, {})[expert] = self._incoming(name, array, scales.get(name))
+            hf_name_of.setdefault(tp, name)
+        flat = dict(nnx.to_flat_state(current.state))
+        by_tp = {loader.trainer_path(p): p for p in flat}
+        new_values = {}
+        for tp, members in updates.items():
+            if tp not in by_tp:
+                raise ValueError(f"update_weights: {hf_name_of[tp]!r} is not a parameter of this model")
+            old = flat[by_tp[tp]].get_value()
+            fmt = self.precision.format_for_trainer(tp) if (self.precision is not None and _is_quantizable(tp)) else None
+            new_values[tp] = self._updated_value(hf_name_of[tp], old, members, fmt, current.dtype)
+        items = []
+        for path, var in flat.items():
+            tp = loader.trainer_path(path)
+            items.append((path, var.replace(new_values[tp]) if tp in new_values else var))
+        state = nnx.from_flat_state(items)
+        jax.block_until_ready(state)
+        self._swap(_Weights(current.graphdef, state, str(weight_version), current.dtype))
+
+    @staticmethod
+    def _incoming(name: str, array, scale):
+        """One sent tensor as a float jax array, or a QuantizedWeight for a block-FP8 pair."""
+        a = np.asarray(array)
+        if a.dtype == np.dtype(jnp.float8_e4m3fn):
+            if scale is None:
+                raise ValueError(f"update_weights: {name!r} is FP8 but {name + '_scale_inv'!r} was not sent")
+            s = np.asarray(scale, np.float32)
+            want = (-(-a.shape[0] // 128), -(-a.shape[1] // 128)) if a.ndim == 2 else None
+            if want is None or s.shape != want:
+                raise ValueError(f"update_weights: {name + '_scale_inv'!r} has shape {list(s.shape)}; expected {list(want or ())} "
+                                 f"(128x128 blocks of {list(a.shape)})")
+            return QuantizedWeight(jnp.asarray(a), jnp.asarray(s), None, F.FP8_BLOCK, int(a.shape[-1]))
+        if scale is not None:
+            raise ValueError(f"update_weights: {name!r} has a weight_scale_inv but dtype {a.dtype}, not float8_e4m3fn")
+        if not np.issubdtype(a.dtype, np.floating) and a.dtype != np.dtype(jnp.bfloat16):
+            raise ValueError(f"update_weights: {name!r} must be a float array, got {a.dtype}")
+        return jnp.asarray(a)
+
+    def _updated_value(self, name, old, members: dict, fmt, dtype):
+        """The new rollout value of one parameter (a whole stack, or some experts of it)."""
+        old_shape = tuple(old.shape)
+        # Without a rollout format, values are stored like the parameters (a kept-FP8 weight becomes dense).
+        plain_dtype = dtype if isinstance(old, QuantizedWeight) else old.dtype
+
+        def checked(v, shape):
+            if tuple(v.shape) != tuple(shape):
+                raise ValueError(f"update_weights: {name!r} expects shape {list(shape)}, got {list(v.shape)}")
+            return v
+
+        def prepare(v):  # sent values -> what the rollout format computes with
+            if isinstance(v, QuantizedWeight):
+                return rollout_operand(v, fmt) if fmt is not None else v.dequantize(plain_dtype)
+            return v.astype(plain_dtype) if fmt is None else rollout_operand(v.astype(jnp.float32), fmt)
+
+        if None in members:  # a plain (non-expert) tensor
+            return prepare(checked(members[None], old_shape))
+        e_total = old_shape[0]
+        bad = [e for e in members if not 0 <= e < e_total]
+        if bad:
+            raise ValueError(f"update_weights: {name!r}: this layer has {e_total} experts; got expert {bad[0]}")
+        for e in members:
+            checked(members[e], old_shape[1:])
+        kinds = {isinstance(v, QuantizedWeight) for v in members.values()}
+        if len(kinds) > 1:
+            raise ValueError(f"update_weights: the experts of {name!r}'s layer arrived partly FP8, partly float; "
+                             "all experts of a layer share one format")
+        if set(members) == set(range(e_total)):  # every expert: restack
+            return prepare(jax.tree.map(lambda *xs: jnp.stack(xs), *[members[e] for e in range(e_total)]))
+        if fmt is None and isinstance(old, QuantizedWeight):  # dense storage: merge into the dequantized stack
+            current = old.dequantize(plain_dtype)
+            return current.at[jnp.asarray(sorted(members))].set(jnp.stack([prepare(members[e]) for e in sorted(members)]))
+        # a subset of experts: re-prepare those slices only (every format quantizes experts independently)
+        out = old
+        for e in sorted(members):
+            piece = prepare(jax.tree.map(lambda x: x[None], members[e]))
+            out = jax.tree.map(lambda full, new: full.at[e].set(new[0]), out, piece)
+        return out
+
+    def update_weights_from_disk(self, path: str, weight_version: str) -> None:
+        """Load an HF checkpoint directory (BF16/FP32 or block FP8) through `model.from_pretrained`."""
+        keep = self.precision is not None and self.precision.fmt == F.FP8_BLOCK
+        policy = from_pretrained(
+            path, dtype=str(jnp.dtype(self._weights.dtype)), quantized="keep" if keep else "dequantize",
+            attention_impl=self.model_config.attention_impl,
+        )
+        self._swap(self._prepare(policy.model, str(weight_version)))
+        self.model_path = path
+
+    def weight_nbytes(self) -> dict[str, int]:
+        """Bytes the current version holds per trainer path, as the rollout format stores them (benchmarks)."""
+        return {
+            loader.trainer_path(path): sum(int(leaf.nbytes) for leaf in jax.tree.leaves(var.get_value()))
+            for path, var in nnx.to_flat_state(self._weights.state)
+        }
+
+    # ------------------------------------------------------------------------------------ protocol
+    @property
+    def weight_version(self) -> str:
+        return self._weights.version
+
+    def set_weight_version(self, weight_version: str) -> None:
+        with self._lock:
+            self._weights = dataclasses.replace(self._weights, version=str(weight_version))
+
+    def health(self) -> bool:
+        return True
+
+    def model_info(self) -> ModelInfo:
+        cfg = self.model_config
+        return ModelInfo(
+            model_path=self.model_path,
+            weight_version=self.weight_version,
+            vocab_size=cfg.vocab_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_experts_per_tok=max(cfg.num_experts_per_tok, 1),
+            max_total_tokens=self.config.max_seq_len,
+            supports_routed_experts=True,
+        )
+
+    def flush_cache(self) -> None:
+        """Nothing to flush: KV caches live only inside one `generate` call (no prefix cache)."""
+
+    def pause(self) -> None:
+        """Recorded only: a running `generate` completes; the HTTP server gates new work."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    # ------------------------------------------------------------------------------------ generate
+    def _rows(self, prompts, sampling_params) -> list[_Row]:
+        cfg = self.model_config
+        rows = []
+        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+            prompt = tuple(int(t) for t in prompt)
+            if not prompt:
+                raise ValueError(f"prompts[{i}] is empty")
+            bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
+            if len(prompt) + sp.max_new_tokens > self.config.max_seq_len:
+                raise ValueError(
+                    f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens {sp.max_new_tokens} exceeds max_seq_len "
+                    f"{self.config.max_seq_len}"
+                )
+            base = sp.seed if sp.seed is not None else int(self._rng.integers(0, MAX_SEED + 1))
+            for j in range(sp.n):
+                rows.append(_Row(i, j, prompt, sp, sample_seed(base, j)))
+        return rows
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams],
+        *,
+        return_routed_experts: bool = False,
+    ) -> list[Sample]:
+        params = per_prompt_sampling(sampling, len(prompts))
+        t0 = time.perf_counter()
+        with self._lock:
+            rows = self._rows(prompts, params)
+            weights = self._weights
+            order = sorted(range(len(rows)), key=lambda r: (len(rows[r].prompt) + rows[r].params.max_new_tokens, r))
+            results: list[Sample | None] = [None] * len(rows)
+            tokens_out = 0
+            for start in range(0, len(order), self.config.max_batch):
+                chunk = [rows[r] for r in order[start : start + self.config.max_batch]]
+                samples = self._run_chunk(weights, chunk, return_routed_experts)
+                for r, s in zip(order[start : start + self.config.max_batch], samples):
+                    results[r] = s
+                    tokens_out += s.response_ids.size
+        elapsed = time.perf_counter() - t0
+        self.last_stats = {"rows": float(len(rows)), "response_tokens": float(tokens_out), "seconds": elapsed}
+        return [s for s in results if s is not None]
+
+    def _run_chunk(self, weights: _Weights, chunk: list[_Row], want_routed: bool) -> list[Sample]:
+        cfg = self.config
+        n = len(chunk)
+        plen = [len(r.prompt) for r in chunk]
+        max_new = max(r.params.max_new_tokens for r in chunk)
+        if cfg.static_shapes:
+            b, p_b, s_b, n_b = cfg.max_batch, cfg.max_seq_len, cfg.max_seq_len, cfg.max_seq_len
+        else:
+            b = _bucket(n, 1, cfg.max_batch)
+            p_b = _bucket(max(plen), cfg.min_prompt_bucket)
+            s_b = _bucket(max(len(r.prompt) + r.params.max_new_tokens for r in chunk), cfg.min_cache_bucket)
+            n_b = _bucket(max(max_new, 1), 1)
+        stops = [self._stop_ids(r.params) for r in chunk]
+        m = max(1, max(len(s) for s in stops))
+
+        ids = np.zeros((b, p_b), np.int32)
+        lens = np.ones((b,), np.int32)
+        temp = np.zeros((b,), np.float32)
+        top_k = np.full((b,), -1, np.int32)
+        top_p = np.ones((b,), np.float32)
+        seeds = np.zeros((b,), np.uint32)
+        mnew = np.zeros((b,), np.int32)  # padding rows: 0 -> done from the start
+        stop_ids = np.full((b, m), -1, np.int32)
+        for i, r in enumerate(chunk):
+            ids[i, : len(r.prompt)] = r.prompt
+            lens[i] = len(r.prompt)
+            temp[i] = r.params.temperature
+            top_k[i] = r.params.top_k
+            top_p[i] = r.params.top_p
+            seeds[i] = r.seed
+            mnew[i] = r.params.max_new_tokens
+            stop_ids[i, : len(stops[i])] = stops[i]
+        rows = _Rows(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(seeds), jnp.asarray(mnew), jnp.asarray(stop_ids))
+        if cfg.decode_loop == "while":
+            carry, prompt_routed = _generate_while(
+                weights.graphdef, weights.state, jnp.asarray(ids), jnp.asarray(lens), rows,
+                precision=self.precision, cache_len=s_b, max_new=n_b, dtype=weights.dtype,
+            )
+        else:
+            carry, prompt_routed = _prefill_jit(
+                weights.graphdef, weights.state, self.precision, jnp.asarray(ids), jnp.asarray(lens), rows, s_b, n_b, weights.dtype
+            )
+            for _ in range(1, max_new):
+                if bool(jnp.all(carry.done)):
+                    break
+                carry = _decode_jit(weights.graphdef, weights.state, rows, carry, precision=self.precision)
+        tokens, logprobs, count = np.asarray(carry.tokens), np.asarray(carry.logprobs), np.asarray(carry.count)
+        routed = np.asarray(carry.routed) if want_routed else None
+        p_routed = np.asarray(prompt_routed) if want_routed else None
+        out = []
+        for i, r in enumerate(chunk):
+            t = int(count[i])
+            resp = tokens[i, :t]
+            finish = "stop" if t > 0 and int(resp[-1]) in stops[i] else "length"
+            experts = None
+            if want_routed:
+                experts = np.concatenate([p_routed[i, : plen[i]], routed[i, : max(t - 1, 0)]], axis=0)
+                experts = experts[: plen[i] + t - 1]
+            out.append(Sample(
+                prompt_ids=np.asarray(r.prompt, np.int32), response_ids=resp, rollout_logprobs=logprobs[i, :t],
+                finish_reason=finish, weight_version=weights.version, routed_experts=experts,
+                prompt_index=r.prompt_index, sample_index=r.sample_index, seed=r.seed,
+            ))
+        return out
+
+    def _stop_ids(self, sp: SamplingParams) -> tuple[int, ...]:
+        ids = list(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            ids += [t for t in self.config.eos_token_ids if t not in ids]
+        return tuple(ids)

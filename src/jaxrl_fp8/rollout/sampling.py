@@ -1,0 +1,123 @@
+"""Token sampling for the embedded engine: temperature, top-k, top-p and per-request seeds. Pure functions.
+
+Conventions (the trainer must use the same ones, see docs/decisions/0008-embedded-engine.md):
+
+- Tempered logits `z = logits / T` per row, as a correctly rounded float32 division (`precision.ieee_div`;
+  a plain `/` by a constant may be compiled into a multiply by the reciprocal). `T == 0` means greedy, and
+  then `z = logits` (log-probs are reported at temperature 1, as SGLang does).
+- The rollout log-prob of a token is `log_softmax(z)[token]` over the FULL vocabulary: top-k / top-p only
+  restrict which tokens may be drawn, never the distribution the log-prob is measured under. This is the
+  policy the trainer's importance ratio refers to; `token_logprobs` is the one implementation.
+- Randomness: the token drawn for row b at response step t depends only on (its logits, its parameters,
+  `seed_b`, t) — the noise comes from `fold_in(key(seed_b), t)` — so a sample does not depend on the batch
+  it ran in. Drawing is Gumbel-max over the kept tokens, which samples exactly the renormalized
+  top-k/top-p distribution.
+- Every reduction here is exact (max, argmax, sort, integer counts) or row invariant (`numerics`' pairwise
+  sums and a fixed associative-scan prefix sum), so a row's result never depends on the batch shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_fp8.model.numerics import lanewise, log_softmax, softmax
+from jaxrl_fp8.precision.arith import ieee_div
+
+F32 = jnp.float32
+
+__all__ = [
+    "effective_temperature",
+    "tempered_logits",
+    "token_logprobs",
+    "keep_mask",
+    "row_keys",
+    "gumbel_noise",
+    "sample_tokens",
+]
+
+
+def effective_temperature(temperature: jax.Array) -> jax.Array:
+    """The divisor of the logits: T, or 1 for greedy rows (T == 0)."""
+    temperature = jnp.asarray(temperature, F32)
+    return jnp.where(temperature > 0, temperature, F32(1.0))
+
+
+def tempered_logits(logits: jax.Array, temperature) -> jax.Array:
+    """float32 `logits / T` with IEEE division; `temperature` broadcasts against `logits.shape[:-1]`."""
+    t = effective_temperature(temperature)
+    return ieee_div(logits.astype(F32), jnp.asarray(t)[..., None])
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature=1.0) -> jax.Array:
+    """log_softmax(logits / T)[token] over the full vocabulary: `[..., V]`, `[...]` -> float32 `[...]`.
+
+    The rollout log-prob convention; bit-identical whether `logits` has one row or many (row invariant).
+    """
+    logp = log_softmax(tempered_logits(logits, temperature))
+    return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def _inclusive_prefix_sum(x: jax.Array) -> jax.Array:
+    """Prefix sum along the last axis as a fixed tree of elementwise adds (row invariant)."""
+    return lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
+
+
+def keep_mask(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """bool [B, V]: tokens that may be drawn from tempered logits z [B, V] under top-k then top-p.
+
+    top_k int [B] (<= 0 or >= V: no limit); top_p float [B] in (0, 1] (>= 1: no limit). The top-p rule is
+    SGLang's: in descending order, a token is dropped when the probability mass strictly before it exceeds
+    top_p (so the most likely token is always kept). Both rules become one logit threshold; a token tied
+    with the threshold logit is kept with it.
+    """
+    v = z.shape[-1]
+    z_sorted = -jnp.sort(-z, axis=-1)  # descending; negation is exact
+    top_k = jnp.asarray(top_k, jnp.int32)
+    k = jnp.where((top_k <= 0) | (top_k > v), v, top_k)
+    probs = softmax(z_sorted)
+    mass_before = jnp.concatenate([jnp.zeros_like(probs[:, :1]), _inclusive_prefix_sum(probs)[:, :-1]], axis=-1)
+    top_p = jnp.asarray(top_p, F32)[:, None]
+    over = (mass_before > top_p) & (top_p < 1.0)
+    n_p = jnp.where(jnp.any(over, axis=-1), jnp.argmax(over, axis=-1), v)
+    n_keep = jnp.maximum(jnp.minimum(k, n_p), 1)
+    threshold = jnp.take_along_axis(z_sorted, (n_keep - 1)[:, None], axis=-1)
+    return z >= threshold
+
+
+def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    """One PRNG key per row: fold_in(key(seed_b), step_b). seeds/steps int [B]."""
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(
+        jnp.asarray(seeds, jnp.uint32), jnp.asarray(steps, jnp.uint32)
+    )
+
+
+def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
+    """float32 [B, vocab] standard Gumbel noise, one independent stream per row key.
+
+    The uniform bits are integer work (batch independent); the two logs run through `numerics.lanewise`,
+    because XLA:CPU's scalar remainder loop computes `log` differently from its vector body, which would
+    make the noise of a row's last entries depend on the batch size.
+    """
+    tiny = jnp.finfo(F32).tiny
+    u = jax.vmap(lambda key: jax.random.uniform(key, (vocab,), F32, minval=tiny, maxval=1.0))(keys)
+    return -lanewise(jnp.log, -lanewise(jnp.log, u))
+
+
+def sample_tokens(logits, temperature, top_k, top_p, seeds, steps) -> jax.Array:
+    """Draw one token per row from logits [B, V]; returns int32 [B].
+
+    temperature f32 [B] (0: greedy = first argmax of the logits), top_k int [B], top_p f32 [B], seeds int [B],
+    steps int [B] (the response index of the token being drawn).
+    """
+    logits = logits.astype(F32)
+    z = tempered_logits(logits, temperature)
+    top_k = jnp.asarray(top_k, jnp.int32)
+    top_p = jnp.asarray(top_p, F32)
+    needs_filter = jnp.any(((top_k > 0) & (top_k < z.shape[-1])) | (top_p < 1.0))
+    keep = lax.cond(needs_filter, lambda: keep_mask(z, top_k, top_p), lambda: jnp.ones(z.shape, bool))
+    noise = gumbel_noise(row_keys(seeds, steps), z.shape[-1])
+    drawn = jnp.argmax(jnp.where(keep, z + noise, -jnp.inf), axis=-1)
+    greedy = jnp.argmax(logits, axis=-1)
+    return jnp.where(jnp.asarray(temperature) > 0, drawn, greedy).astype(jnp.int32)

@@ -1,0 +1,157 @@
+"""Sampling functions of the embedded engine: exact conventions, distributions, batch independence."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_fp8.rollout import sampling as S
+
+
+def _np_log_softmax(z):
+    z = z.astype(np.float64)
+    m = z.max(-1, keepdims=True)
+    return z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
+
+
+def _np_keep(z, top_k, top_p):
+    """Independent statement of the top-k / top-p rule (float64 probabilities)."""
+    v = z.shape[-1]
+    out = np.zeros(z.shape, bool)
+    for b in range(z.shape[0]):
+        order = np.argsort(-z[b], kind="stable")
+        k = v if top_k[b] <= 0 or top_k[b] > v else top_k[b]
+        p = np.exp(_np_log_softmax(z[b][order]))
+        before = np.concatenate([[0.0], np.cumsum(p)[:-1]])
+        n_p = v if top_p[b] >= 1 else int(np.sum(before <= top_p[b]))
+        n = max(1, min(k, n_p))
+        out[b] = z[b] >= z[b][order[n - 1]]
+    return out
+
+
+def test_tempered_logits_is_ieee_division():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(5, 37)).astype(np.float32) * 7
+    temps = np.array([0.7, 1.0, 0.0, 1.3, 0.3], np.float32)
+    got = np.asarray(jax.jit(S.tempered_logits)(logits, temps))
+    want = logits / np.where(temps > 0, temps, 1.0).astype(np.float32)[:, None]  # numpy: correctly rounded
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_token_logprobs_full_distribution_and_greedy_at_t1():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(4, 50)).astype(np.float32) * 3
+    tokens = np.array([3, 49, 0, 17])
+    temps = np.array([0.5, 1.0, 0.0, 2.0], np.float32)
+    got = np.asarray(S.token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(temps)))
+    t = np.where(temps > 0, temps, 1.0)
+    want = _np_log_softmax(logits / t[:, None])[np.arange(4), tokens]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+def test_token_logprobs_row_invariant():
+    """A row's log-prob has the same bits in a batch of 1, of 9, and inside [B, T, V]."""
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(9, 301)).astype(np.float32) * 4
+    tokens = rng.integers(0, 301, size=9)
+    temps = rng.uniform(0.2, 1.5, size=9).astype(np.float32)
+    f = jax.jit(S.token_logprobs)
+    full = np.asarray(f(logits, tokens, temps))
+    for b in (0, 4, 8):
+        one = np.asarray(f(logits[b : b + 1], tokens[b : b + 1], temps[b : b + 1]))
+        assert one.view(np.uint32)[0] == full.view(np.uint32)[b]
+    seq = np.asarray(f(logits.reshape(3, 3, 301), tokens.reshape(3, 3), temps.reshape(3, 3)))
+    np.testing.assert_array_equal(seq.reshape(-1).view(np.uint32), full.view(np.uint32))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_keep_mask_matches_reference(seed):
+    rng = np.random.default_rng(seed)
+    b, v = 16, 97
+    z = (rng.normal(size=(b, v)) * rng.uniform(0.5, 4)).astype(np.float32)
+    top_k = rng.choice([-1, 1, 2, 5, 40, 97, 200], size=b)
+    top_p = rng.choice([1.0, 0.9, 0.5, 0.1, 0.999], size=b).astype(np.float32)
+    got = np.asarray(jax.jit(S.keep_mask)(z, top_k, top_p))
+    np.testing.assert_array_equal(got, _np_keep(z, top_k, top_p))
+    assert got.sum(-1).min() >= 1
+
+
+def test_keep_mask_no_limits_keeps_everything():
+    z = jnp.asarray(np.random.default_rng(3).normal(size=(3, 64)).astype(np.float32))
+    assert bool(jnp.all(S.keep_mask(z, jnp.array([-1, 64, 0]), jnp.ones(3))))
+
+
+def test_greedy_is_first_argmax():
+    logits = jnp.array([[0.0, 2.0, 2.0, 1.0], [5.0, -1.0, 5.0, 0.0]])
+    toks = S.sample_tokens(logits, jnp.zeros(2), jnp.array([-1, -1]), jnp.ones(2), jnp.array([1, 2]), jnp.zeros(2, jnp.int32))
+    assert toks.tolist() == [1, 0]
+
+
+def test_same_seed_same_token_regardless_of_batch():
+    """Row r's draw depends on (logits, params, seed, step) only — not on the other rows or the batch size."""
+    rng = np.random.default_rng(4)
+    b, v = 12, 211
+    logits = (rng.normal(size=(b, v)) * 2).astype(np.float32)
+    temps = rng.uniform(0.3, 1.5, size=b).astype(np.float32)
+    top_k = rng.choice([-1, 3, 50], size=b)
+    top_p = rng.choice([1.0, 0.8], size=b).astype(np.float32)
+    seeds = rng.integers(0, 2**31 - 1, size=b)
+    steps = rng.integers(0, 1000, size=b)
+    f = jax.jit(S.sample_tokens)
+    full = np.asarray(f(logits, temps, top_k, top_p, seeds, steps))
+    for r in range(b):
+        # a batch of one, and a batch of 3 with r in the middle beside unrelated rows
+        one = np.asarray(f(logits[r : r + 1], temps[r : r + 1], top_k[r : r + 1], top_p[r : r + 1], seeds[r : r + 1], steps[r : r + 1]))
+        idx = [(r + 5) % b, r, (r + 7) % b]
+        mid = np.asarray(f(logits[idx], temps[idx], np.array([-1, top_k[r], -1]), np.array([1.0, top_p[r], 1.0], np.float32), seeds[idx], steps[idx]))
+        assert one[0] == full[r] == mid[1]
+    # a different seed or step changes the draws (not a constant function)
+    other = np.asarray(f(logits, temps, top_k, top_p, seeds + 1, steps))
+    later = np.asarray(f(logits, temps, top_k, top_p, seeds, steps + 1))
+    assert (other != full).any() and (later != full).any()
+
+
+def _draw_many(logits_row, temperature, top_k, top_p, n=4000):
+    v = logits_row.shape[0]
+    logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, v))
+    toks = jax.jit(S.sample_tokens)(
+        logits, jnp.full((n,), temperature, jnp.float32), jnp.full((n,), top_k), jnp.full((n,), top_p, jnp.float32),
+        jnp.arange(n), jnp.zeros((n,), jnp.int32))
+    return np.bincount(np.asarray(toks), minlength=v) / n
+
+
+def _close(freq, p, n=4000):
+    # 5 sigma binomial bound per token
+    sigma = np.sqrt(p * (1 - p) / n)
+    assert np.all(np.abs(freq - p) <= 5 * sigma + 1e-9), (freq, p)
+
+
+def test_sampling_distribution_temperature():
+    logits = np.log(np.array([0.5, 0.25, 0.15, 0.1]))
+    for t in (1.0, 0.5, 2.0):
+        p = np.exp(_np_log_softmax(logits / t))
+        _close(_draw_many(logits, t, -1, 1.0), p)
+
+
+def test_sampling_distribution_top_k_top_p():
+    logits = np.log(np.array([0.45, 0.3, 0.15, 0.07, 0.03]))
+    freq = _draw_many(logits, 1.0, 2, 1.0)
+    _close(freq, np.array([0.6, 0.4, 0, 0, 0]))
+    freq = _draw_many(logits, 1.0, -1, 0.8)  # mass before: 0, .45, .75, .9 -> keep 3
+    _close(freq, np.array([0.45, 0.3, 0.15, 0, 0]) / 0.9)
+    freq = _draw_many(logits, 1.0, 2, 0.8)  # top-k is the tighter rule
+    _close(freq, np.array([0.6, 0.4, 0, 0, 0]))
+    freq = _draw_many(logits, 1.0, -1, 0.3)  # only the top token
+    np.testing.assert_array_equal(freq, [1, 0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("vocab", [259, 301])
+def test_gumbel_noise_row_invariant(vocab):
+    """Odd vocabularies put a row's tail in XLA:CPU's scalar remainder loop unless log runs lane-wise."""
+    keys = S.row_keys(jnp.arange(7) * 1000 + 5, jnp.arange(7))
+    full = np.asarray(jax.jit(S.gumbel_noise, static_argnums=1)(keys, vocab))
+    for r in (0, 3, 6):
+        one = np.asarray(jax.jit(S.gumbel_noise, static_argnums=1)(keys[r : r + 1], vocab))
+        np.testing.assert_array_equal(one[0].view(np.uint32), full[r].view(np.uint32))
+    assert np.isfinite(full).all()
+    assert abs(full.mean() - 0.5772) < 0.05  # Euler-Mascheroni: the Gumbel mean
