@@ -26,7 +26,7 @@ from jaxrl_fp8.precision import BF16, NVFP4, PrecisionPolicy
 from jaxrl_fp8.precision import names as N
 
 from converters.pipeline import HF_QUANT_CONFIG, _replace_dir
-from converters.safetensors_io import write_safetensors
+from jaxrl_fp8.model.hf_io import write_safetensors
 from converters.quantize import ConversionError, check_finite, pair_global_amax, quantize_hf_tensor
 from converters.spec import QuantSpec, hf_quant_config, modules_to_not_convert, quantization_config
 

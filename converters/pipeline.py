@@ -31,7 +31,7 @@ from jaxrl_fp8.model.hf_io import (
     write_json_atomic,
 )
 
-from converters.safetensors_io import write_safetensors
+from jaxrl_fp8.model.hf_io import write_safetensors
 
 from converters.quantize import ConversionError
 

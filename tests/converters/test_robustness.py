@@ -130,7 +130,7 @@ def test_help_as_module_subprocess():
 def test_scalar_tensors_round_trip_through_our_writer(tmp_path):
     from jaxrl_fp8.model.hf_io import SafetensorsFile
 
-    from converters.safetensors_io import write_safetensors
+    from jaxrl_fp8.model.hf_io import write_safetensors
 
     write_safetensors(str(tmp_path / "a.safetensors"), {"s": np.float32(3.0), "v": np.arange(6, dtype=np.uint8).reshape(2, 3)[:, ::2]})
     f = SafetensorsFile(str(tmp_path / "a.safetensors"))

@@ -12,7 +12,7 @@ import pytest
 
 from converters import verify as verify_cli
 from converters.fp8_to_bf16 import convert_to_bf16
-from converters.safetensors_io import write_safetensors
+from jaxrl_fp8.model.hf_io import write_safetensors
 from converters.verify import verify
 from tests.converters.helpers import load_all, trainer_params
 

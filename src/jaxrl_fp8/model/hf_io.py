@@ -196,16 +196,19 @@ def iter_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def write_safetensors(file: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> int:
-    """Write one safetensors file; returns the bytes of tensor data written."""
+    """Write one safetensors file, keeping each array's exact shape (0-d scalars too, as NVFP4's
+    `weight_scale_2` needs); returns the bytes of tensor data written."""
     header: dict = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     arrays = []
     for name, a in tensors.items():
-        a = np.ascontiguousarray(np.asarray(a))
+        a = np.asarray(a)  # not np.ascontiguousarray: it turns 0-d arrays into shape [1]
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")
         header[name] = {"dtype": dtype_code(a.dtype), "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
         arrays.append(a)
