@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+import jaxrl_fp8  # noqa: F401  (first: sets the XLA flags of the precision contract before JAX starts)
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 

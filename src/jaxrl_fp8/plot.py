@@ -22,10 +22,9 @@ GROUPS = {
 
 
 def plot_workdir(workdir: str, out_dir: str | None = None) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # Figure + Agg canvas directly: no pyplot, so the global backend (e.g. a notebook's inline one) is untouched.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     records = read_metrics(workdir)
     if not records:
@@ -37,7 +36,9 @@ def plot_workdir(workdir: str, out_dir: str | None = None) -> list[str]:
         keys = [k for k in keys if any(isinstance(r.get(k), float) for r in records)]
         if not keys:
             continue
-        fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
+        fig = Figure(figsize=(4 * len(keys), 3.2))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(1, len(keys), squeeze=False)
         for ax, key in zip(axes[0], keys):
             pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), float)]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
@@ -49,7 +50,6 @@ def plot_workdir(workdir: str, out_dir: str | None = None) -> list[str]:
         path = os.path.join(out_dir, f"{group}.png")
         tmp = path + ".tmp.png"
         fig.savefig(tmp, dpi=100)
-        plt.close(fig)
         os.replace(tmp, path)
         written.append(path)
     return written
