@@ -109,6 +109,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.resume = True  # continue from the latest checkpoint in workdir if there is one
     c.checkpoint.export_final_hf = True  # HF safetensors in BF16 and in the recipe's rollout format at the end
 
+    from jaxrl_fp8 import distributed, sharding
+
+    c.mesh = sharding.mesh_config_defaults()  # data / fsdp / expert / tensor sizes (-1: the devices left)
+    c.distributed = distributed.config_defaults()  # coordinator address, process count / id (multi-host)
+
     c.logging = ml_collections.ConfigDict()
     c.logging.tensorboard = True
     c.logging.progress_bar = True

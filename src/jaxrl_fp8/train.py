@@ -97,6 +97,9 @@ def run(c) -> str:
     from jaxrl_fp8.config import validate_config
 
     validate_config(c)  # before anything heavy is imported or computed
+    from jaxrl_fp8 import distributed
+
+    distributed.initialize(c.distributed)  # multi-host: before any device is touched
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
@@ -137,10 +140,18 @@ def run(c) -> str:
         num_minibatches=c.rl.num_minibatches, loss=loss_cfg, backward=recipe.backward,
         compute_dtype=jnp.bfloat16 if c.model.dtype == "bfloat16" else jnp.float32, seed=c.seed,
         eval_every_steps=c.logging.eval_every_steps, use_ref=c.rl.kl_coef > 0)
+    plan = None
+    if jax.device_count() > 1:
+        from flax import nnx
+
+        from jaxrl_fp8.sharding import ShardingPlan, make_mesh
+
+        plan = ShardingPlan(make_mesh(c.mesh))
+        plan.validate(nnx.state(model, nnx.Param), train_policy)  # no FP8 block split across devices
     optimizer, schedule = make_optimizer(c.rl, c.total_steps * c.rl.num_minibatches)
     trainer = Trainer(model=model, settings=settings, optimizer=optimizer, schedule=schedule, engine=engine,
                       tokenizer=tokenizer, loader=loader, reward_fn=reward_fn, train_policy=train_policy,
-                      push_weights=push)
+                      push_weights=push, plan=plan)
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.checkpoint.keep, async_save=c.checkpoint.async_save)
     writer = MetricsWriter(workdir, tensorboard=c.logging.tensorboard, enabled=jax.process_index() == 0)
@@ -166,7 +177,7 @@ def run(c) -> str:
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", mismatch=f"{metrics['train_rollout_logprob_abs_diff']:.2g}",
                         s=f"{metrics['step_seconds']:.1f}")
         if trainer.step % c.checkpoint.every_steps == 0 or trainer.step == c.total_steps:
-            ckpt.save(trainer.step, trainer.state(), {"step": trainer.step, "data": trainer.loader.get_state(),
+            ckpt.save(trainer.step, trainer.state(), {"step": trainer.step, "data": distributed.gather_process_states(trainer.loader.get_state()),
                                                        "skipped_updates": trainer.skipped_updates, "time": time.time()})
     bar.close()
     ckpt.close()

@@ -65,6 +65,7 @@ class _Ctx:
 
     policy: object  # PrecisionPolicy | None
     backward: str
+    moe_impl: object = None  # expert-parallel MoE (sharding.make_moe_impl): (x, routing, gate, up, down, fmts, backward)
 
     def fmt(self, trainer_path: str) -> str | None:
         return None if self.policy is None else self.policy.format_for_trainer(trainer_path)
@@ -137,6 +138,11 @@ class MoE(nnx.Module):
         cfg = self.cfg
         logits = matmul.high_precision_linear(x.astype(F32), self.router.weight.get_value().astype(F32))
         routing = moe_lib.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, replay)
+        if ctx.moe_impl is not None:  # tokens travel to the devices holding their experts and back
+            fmts = tuple(ctx.fmt(f"layers.{self.layer}.moe.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj"))
+            y = ctx.moe_impl(x, routing, self.gate_proj.weight.get_value(), self.up_proj.weight.get_value(),
+                             self.down_proj.weight.get_value(), fmts, ctx.backward)
+            return y.astype(x.dtype), routing
         d = moe_lib.dispatch(routing.experts, cfg.num_experts)
         xs = x[d.token_of_row]
         h = silu(self._proj("gate_proj", xs, d.group_sizes, ctx)) * self._proj("up_proj", xs, d.group_sizes, ctx)
@@ -216,6 +222,7 @@ class Qwen3(nnx.Module):
         policy=None,
         backward: str = "high_precision",
         token_mask: jax.Array | None = None,
+        moe_impl=None,
     ) -> ModelOutput:
         """Forward over input_ids [B, T].
 
@@ -227,10 +234,11 @@ class Qwen3(nnx.Module):
         policy: a precision.PrecisionPolicy (format per projection) or None (the parameters' dtype).
         backward: ops backward mode ("high_precision", "dequantized", "fp8").
         token_mask: [B, T] tokens counted by the load-balancing loss (default all).
+        moe_impl: expert-parallel MoE from `jaxrl_fp8.sharding.make_moe_impl` (None: single-device dispatch).
         """
         cfg = self.cfg
         b, t = input_ids.shape
-        ctx = _Ctx(policy, backward)
+        ctx = _Ctx(policy, backward, moe_impl)
         slots = None
         if cache is not None:
             if segment_ids is not None:

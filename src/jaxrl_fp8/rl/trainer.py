@@ -78,14 +78,24 @@ class Trainer:
     """Owns the FP32 masters and optimizer state; drives rollout, scoring and updates."""
 
     def __init__(self, *, model, settings: TrainerSettings, optimizer, schedule, engine, tokenizer, loader, reward_fn,
-                 train_policy, push_weights: Callable[[Any, str], None], rollout_version_prefix: str = "v"):
+                 train_policy, push_weights: Callable[[Any, str], None], rollout_version_prefix: str = "v", plan=None):
         self.s = settings
         self.graphdef, params = nnx.split(model)
         self.params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)  # FP32 masters
-        self.ref_params = self.params if settings.use_ref else None
         self.optimizer = optimizer
         self.schedule = schedule
         self.opt_state = optimizer.init(self.params)
+        # Scale-out (jaxrl_fp8.sharding): state in its storage layout on the mesh, experts on their devices.
+        self.plan = plan
+        self.moe_impl = None
+        self._sharded_update = None
+        if plan is not None:
+            from jaxrl_fp8.sharding import make_moe_impl
+
+            self.params, self.opt_state = plan.shard(self.params), plan.shard(self.opt_state)
+            if plan.mesh.size > 1 and model.cfg.is_moe:
+                self.moe_impl = make_moe_impl(plan.mesh)
+        self.ref_params = self.params if settings.use_ref else None
         self.engine = engine
         self.tokenizer = tokenizer
         self.loader = loader
@@ -102,11 +112,12 @@ class Trainer:
     # -- pure pieces (jitted) -----------------------------------------------------------------------
     def compute_params(self, params):
         """The values the forward multiplies: masters cast to the compute dtype (quantization happens in ops)."""
-        return jax.tree.map(lambda x: x.astype(self.s.compute_dtype), params)
+        out = jax.tree.map(lambda x: x.astype(self.s.compute_dtype), params)
+        return out if self.plan is None else self.plan.constrain_compute(out)
 
     def _forward_logprobs(self, params, tokens, routed):
         model = nnx.merge(self.graphdef, self.compute_params(params))
-        out = model(tokens, routed_experts=routed, policy=self.train_policy, backward=self.s.backward)
+        out = model(tokens, routed_experts=routed, policy=self.train_policy, backward=self.s.backward, moe_impl=self.moe_impl)
         logits = out.logits[:, :-1]
         return token_logprobs(logits, tokens[:, 1:], self.s.temperature), logits
 
@@ -129,6 +140,15 @@ class Trainer:
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite.astype(jnp.float32))
         return keep(new_params, params), keep(new_opt, opt_state), metrics
+
+    def _apply_update(self, mb, num_tokens):
+        if self.plan is None:
+            return self._update_jit(self.params, self.opt_state, mb, num_tokens)
+        mb = self.plan.put_batch(mb, process_local=False)
+        num_tokens = jax.device_put(jnp.float32(num_tokens), self.plan.replicated())
+        if self._sharded_update is None:
+            self._sharded_update = self.plan.jit_train_step(self._update, self.params, self.opt_state, mb)
+        return self._sharded_update(self.params, self.opt_state, mb, num_tokens)
 
     # -- one RL step ----------------------------------------------------------------------------------
     def sampling(self, step: int, greedy: bool = False) -> SamplingParams:
@@ -183,7 +203,7 @@ class Trainer:
             mb = {k: v[idx] for k, v in data.items()}
             # every minibatch normalises by its own token count so the step size does not depend on the split
             nt = jnp.float32(max(float(tb.response_mask[idx].sum()), 1.0))
-            self.params, self.opt_state, met = self._update_jit(self.params, self.opt_state, mb, nt)
+            self.params, self.opt_state, met = self._apply_update(mb, nt)
             mb_metrics.append(jax.device_get(met))
         skipped = sum(1 for m in mb_metrics if m["finite"] < 1)
         self.skipped_updates += skipped
@@ -219,7 +239,7 @@ class Trainer:
 
     def current_model(self):
         """The model at the current masters, cast to the compute dtype (what the engine should serve)."""
-        return nnx.merge(self.graphdef, self.compute_params(self.params))
+        return nnx.merge(self.graphdef, jax.tree.map(lambda x: x.astype(self.s.compute_dtype), self.params))
 
     def push_weights(self) -> None:
         """Hand the new weights to the engine (version v+1); it quantizes them through the same contract."""
@@ -234,6 +254,11 @@ class Trainer:
         self.opt_state = state["opt_state"]
         self.step = int(meta["step"])
         self.skipped_updates = int(meta.get("skipped_updates", 0))
-        self.loader.set_state(meta["data"])
+        data = meta["data"]
+        if isinstance(data, dict) and "iterator" not in data:  # {process index: state} (multi-host checkpoints)
+            from jaxrl_fp8.distributed import own_process_state
+
+            data = own_process_state(data)
+        self.loader.set_state(data)
 
 
