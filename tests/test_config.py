@@ -52,3 +52,17 @@ def test_sglang_needs_servers():
     c.rollout.engine = "sglang"
     with pytest.raises(ConfigError, match="config.rollout.sglang_urls"):
         validate_config(c)
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b_fp8", "qwen3_4b_bf16_train_fp8_rollout", "qwen3_30b_a3b_mxfp8", "qwen3_30b_a3b_nvfp4"])
+def test_gpu_recipe_configs_load_and_fail_only_on_missing_paths(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, f"experiments/configs/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config()
+    assert c.rl.use_tis and c.recipe in ("fp8_block", "bf16_train_fp8_rollout", "mxfp8", "nvfp4")
+    # here the checkpoint directory does not exist: validation must say so, naming the key
+    with pytest.raises(ConfigError, match="config.model.checkpoint"):
+        validate_config(c)

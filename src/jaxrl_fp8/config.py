@@ -185,3 +185,32 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
         except ValueError as e:
             raise ConfigError(f"config.recipe: {e}") from e
 
+
+
+def math_rl_config(*, workdir: str, recipe: str, checkpoint: str, dataset: str = "/data/dapo-math-17k.jsonl",
+                   hardware: str = "auto", routing_replay: bool = True) -> ml_collections.ConfigDict:
+    """The seed guide's GPU recipes share everything but the recipe and the checkpoint: math prompts with a
+    boxed-answer reward, 32 prompts x 8 samples, 4k-token responses, TIS on, lr 1e-6, 4 minibatches."""
+    c = base_config()
+    c.workdir = workdir
+    c.recipe = recipe
+    c.hardware = hardware
+    c.total_steps = 200
+    c.model.checkpoint = checkpoint
+    c.model.dtype = "bfloat16"
+    c.data.source = "jsonl"
+    c.data.path = dataset
+    c.data.prompt_key = "prompt"
+    c.data.answer_key = "label"
+    c.data.reward = "math"
+    c.data.prompts_per_step = 32
+    c.data.max_prompt_tokens = 1024
+    c.rollout.n_samples = 8
+    c.rollout.max_new_tokens = 4096
+    c.rollout.routing_replay = routing_replay
+    c.rl.use_tis = True
+    c.rl.eps_clip_high = 0.28
+    c.rl.learning_rate = 1e-6
+    c.rl.num_minibatches = 4
+    c.checkpoint.every_steps = 20
+    return c
