@@ -189,11 +189,7 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 1
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    if interpret:
-        from pallas_kernels.interpret import gpu_interpret_mode
+    from pallas_kernels.interpret import launch
 
-        with gpu_interpret_mode():
-            out = call(a, b_q, sa_t, sb_t)
-    else:
-        out = call(a, b_q, sa_t, sb_t)
+    out = launch(call, a, b_q, sa_t, sb_t, interpret=interpret)
     return out[:m]

@@ -110,11 +110,7 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    if interpret:
-        from pallas_kernels.interpret import gpu_interpret_mode
+    from pallas_kernels.interpret import launch
 
-        with gpu_interpret_mode():
-            out = call(tile_group, a, b_q, sa_t, sb_t)
-    else:
-        out = call(tile_group, a, b_q, sa_t, sb_t)
+    out = launch(call, tile_group, a, b_q, sa_t, sb_t, interpret=interpret)
     return _take_rows(out, dst)

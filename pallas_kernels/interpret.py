@@ -28,3 +28,11 @@ def reset_after_error() -> None:
     reset = getattr(ipc, "reset_gpu_interpret_mode_state", None)
     if reset is not None:
         reset()
+
+
+def launch(call, *args, interpret: bool):
+    """Run a built `plgpu.kernel` call, inside interpret mode when asked (CPU tests)."""
+    if interpret:
+        with gpu_interpret_mode():
+            return call(*args)
+    return call(*args)

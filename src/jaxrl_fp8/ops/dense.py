@@ -95,17 +95,7 @@ def _linear_bwd(fmt, backward, backend, out_dtype, res, g):
         wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w)
         dx, dw = fp8_backward(g, x, wq, sb, backend)
     else:
-        if backward == "dequantized" and kept is not None:
-            if fmt == F.FP8_BLOCK:
-                from jaxrl_fp8.precision.fp8 import dequantize_fp8_per_block, dequantize_fp8_per_token_group
-
-                xq, sa, wq, sb = kept
-                a = dequantize_fp8_per_token_group(xq, sa, F.FP8_ACT_GROUP)
-                b = dequantize_fp8_per_block(wq, sb, F.FP8_BLOCK_WEIGHT)
-            else:
-                a, b = kept
-        else:
-            a, b = x, O.weight_values(w)
+        a, b = O.backward_operands(backward, fmt, x, w, kept)
         gb = g.astype(BF16)
         dx = lax.dot_general(gb, b.astype(BF16), (((1,), (0,)), ((), ())), preferred_element_type=F32)
         dw = lax.dot_general(gb, a.astype(BF16), (((0,), (0,)), ((), ())), preferred_element_type=F32)

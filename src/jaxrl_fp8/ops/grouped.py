@@ -83,17 +83,7 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
         xtq, sxt = O.fp8_act(_pad_cols(xm.T, 128))
         dw = grouping.grouped_wgrad_fp8(gtq, sgt, xtq, sxt, gs, e)
     else:
-        if backward == "dequantized" and kept is not None:
-            if fmt == F.FP8_BLOCK:
-                from jaxrl_fp8.precision.fp8 import dequantize_fp8_per_block, dequantize_fp8_per_token_group
-
-                xq, sa, wq, sb = kept
-                a = dequantize_fp8_per_token_group(xq, sa, F.FP8_ACT_GROUP)
-                b = dequantize_fp8_per_block(wq, sb, F.FP8_BLOCK_WEIGHT)
-            else:
-                a, b = kept
-        else:
-            a, b = x, O.weight_values(w)
+        a, b = O.backward_operands(backward, fmt, x, w, kept)
         dx = grouping.grouped_dot(g, jnp.swapaxes(b, 1, 2), gs)
         dw = grouping.grouped_wgrad(g, a, gs, e)
     return dx.astype(x.dtype), O.master_cotangent(w, dw), None

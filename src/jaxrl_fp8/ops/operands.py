@@ -80,3 +80,16 @@ def master_cotangent(w, dw):
     if isinstance(w, QuantizedWeight):
         return zero_cotangent(w)
     return dw.astype(jnp.asarray(w).dtype)
+
+
+def backward_operands(backward: str, fmt: str, x, w, kept):
+    """The (activation, weight) values the BF16 backward GEMMs use: the dequantized forward operands in
+    "dequantized" mode (when the forward quantized them), else the original operands ("high_precision")."""
+    if backward == "dequantized" and kept is not None:
+        if fmt == F.FP8_BLOCK:
+            from jaxrl_fp8.precision.fp8 import dequantize_fp8_per_block, dequantize_fp8_per_token_group
+
+            xq, sa, wq, sb = kept
+            return dequantize_fp8_per_token_group(xq, sa, F.FP8_ACT_GROUP), dequantize_fp8_per_block(wq, sb, F.FP8_BLOCK_WEIGHT)
+        return kept
+    return x, weight_values(w)
