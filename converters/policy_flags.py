@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from jaxrl_fp8.precision import NVFP4, PrecisionPolicy
+from jaxrl_fp8.precision import PrecisionPolicy
 
-from converters.spec import NVFP4_DENSE_HIGH_PRECISION_HF, model_dims
+from converters.spec import model_dims
 
 __all__ = ["add_policy_flags", "build_policy", "policy_from_args"]
 
@@ -59,9 +59,6 @@ def build_policy(
     """The policy for an HF `config` (num layers / experts from it). NVFP4 keeps dense projections in BF16
     unless `nvfp4_dense` (experts-only, as the reference NVFP4 converter)."""
     num_layers, num_experts = model_dims(config)
-    extra_hf = tuple(extra_high_precision_hf)
-    if fmt == NVFP4 and not nvfp4_dense:
-        extra_hf = NVFP4_DENSE_HIGH_PRECISION_HF + extra_hf
     return PrecisionPolicy.for_format(
         fmt,
         num_layers=num_layers,
@@ -69,9 +66,10 @@ def build_policy(
         precision_config=precision_config,
         num_layers_at_start_in_bf16=num_layers_at_start_in_bf16,
         num_layers_at_end_in_bf16=num_layers_at_end_in_bf16,
-        extra_high_precision_hf=extra_hf,
+        extra_high_precision_hf=tuple(extra_high_precision_hf),
         extra_high_precision_trainer=tuple(extra_high_precision_trainer),
         on_split_group=on_split_group,
+        nvfp4_dense=nvfp4_dense,
     )
 
 

@@ -25,7 +25,6 @@ from jaxrl_fp8.precision import names as N
 __all__ = [
     "QuantSpec",
     "STRATEGIES",
-    "NVFP4_DENSE_HIGH_PRECISION_HF",
     "quantization_config",
     "hf_quant_config",
     "spec_from_checkpoint",
@@ -39,7 +38,6 @@ STRATEGIES = ("block", "channel", "tensor")
 META_KEY = "jaxrl_fp8"
 # NVFP4 quantizes MoE experts only by default (as the reference converter does): attention and dense-MLP
 # projections are kept high precision through these policy regexes, so trainer and converter agree.
-NVFP4_DENSE_HIGH_PRECISION_HF = (r"\.self_attn\.[qkvo]_proj\.weight$", r"\.mlp\.(gate|up|down)_proj\.weight$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +257,10 @@ def _wildcard(base: str) -> str:
 
 
 def policy_from_excluded_modules(fmt: str, excluded: list[str], num_layers: int, num_experts: int) -> PrecisionPolicy:
-    """The policy a checkpoint was written under, rebuilt from its exclusion list (for verification)."""
+    """The policy a checkpoint was written under, rebuilt from its exclusion list (for verification).
+
+    The list is complete (NVFP4 checkpoints list their BF16 dense projections too), so nothing beyond it is
+    kept high precision: `nvfp4_dense=True` turns the policy's experts-only NVFP4 default off."""
     patterns = tuple(excluded_module_regex(e) for e in excluded)
-    return PrecisionPolicy(fmt=fmt, num_layers=num_layers, num_experts=num_experts, extra_high_precision_hf=patterns)
+    return PrecisionPolicy(fmt=fmt, num_layers=num_layers, num_experts=num_experts, extra_high_precision_hf=patterns,
+                           nvfp4_dense=True)

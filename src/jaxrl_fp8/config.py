@@ -53,6 +53,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.extra_high_precision_layers_hf = ()
     c.precision.extra_high_precision_layers_trainer = ()
     c.precision.precision_config = ""  # JSON/YAML rules file, see jaxrl_fp8.precision.policy
+    c.precision.nvfp4_dense = False  # NVFP4 recipes: also quantize attention / dense MLP (default: experts only)
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "synthetic"  # synthetic | jsonl | parquet

@@ -72,7 +72,7 @@ def _policies(c, recipe, model_cfg):
         recipe.train_format, num_layers=model_cfg.num_hidden_layers, num_experts=model_cfg.num_experts,
         precision_config=p.precision_config or None, num_layers_at_start_in_bf16=p.num_layers_at_start_in_bf16,
         num_layers_at_end_in_bf16=p.num_layers_at_end_in_bf16, extra_high_precision_hf=tuple(p.extra_high_precision_layers_hf),
-        extra_high_precision_trainer=tuple(p.extra_high_precision_layers_trainer))
+        extra_high_precision_trainer=tuple(p.extra_high_precision_layers_trainer), nvfp4_dense=p.nvfp4_dense)
     return train, train.with_format(recipe.rollout_format)
 
 

@@ -108,3 +108,15 @@ def test_modules_to_not_convert():
     assert not any(m.startswith("model.layers.2.") for m in mods)
     assert not any("norm" in m or "embed" in m or "lm_head" in m for m in mods)  # never quantized anyway
     assert PrecisionPolicy("bf16", num_layers=L).high_precision_modules(all_names()) == []
+
+
+def test_nvfp4_quantizes_experts_only_unless_dense_asked():
+    pol = PrecisionPolicy("nvfp4", num_layers=L, num_experts=E)
+    assert pol.format_for("model.layers.2.mlp.experts.1.up_proj.weight") == "nvfp4"
+    assert pol.format_for("model.layers.2.self_attn.q_proj.weight") == "bf16"
+    assert pol.format_for("model.layers.1.mlp.down_proj.weight") == "bf16"  # dense MLP layer
+    dense = PrecisionPolicy("nvfp4", num_layers=L, num_experts=E, nvfp4_dense=True)
+    assert dense.format_for("model.layers.2.self_attn.q_proj.weight") == "nvfp4"
+    # the same object answers for the trainer and, through with_format, for the other side of a recipe
+    assert pol.with_format("fp8-block").format_for("model.layers.2.self_attn.q_proj.weight") == "fp8-block"
+    assert pol.format_for_trainer("layers.2.attn.q_proj.weight") == "bf16"

@@ -15,8 +15,9 @@ from jaxrl_fp8.rl.losses import (
     policy_loss,
     ppo_clip_loss,
     tis_weights,
-    token_logprobs_from_logits,
 )
+
+from jaxrl_fp8.rollout.sampling import token_logprobs  # the one log-prob definition (sampler and learner)
 
 NO_TIS = PolicyLossConfig(use_tis=False)
 
@@ -186,7 +187,7 @@ def test_metrics_ppo_kl_and_clipfrac():
 
 def test_logprobs_and_entropy_from_logits():
     logits = jnp.asarray([[[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]]])
-    lp = token_logprobs_from_logits(logits, jnp.asarray([[2, 3]]))
+    lp = token_logprobs(logits, jnp.asarray([[2, 3]]))
     ref = np.log(np.exp([1, 2, 3, 4]) / np.exp([1, 2, 3, 4]).sum())
     np.testing.assert_allclose(lp, [[math.log(0.25), ref[3]]], rtol=1e-6)
     ent = entropy_from_logits(logits)

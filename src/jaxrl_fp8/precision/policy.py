@@ -6,7 +6,9 @@ differ between stages. Decision for a tensor, in order:
   2. the first / last N transformer layers: high precision;
   3. rules from a precision-config file (first match wins; HF-name or trainer-name regexes);
   4. extra high-precision regexes on HF names and on trainer names (`re.search`);
-  5. otherwise the policy's base format.
+  5. NVFP4 quantizes MoE experts only (attention and dense MLP stay high precision, as the seed's NVFP4
+     recipe and reference converter do) unless `nvfp4_dense=True`;
+  6. otherwise the policy's base format.
 Then SGLang's fused groups are enforced: q/k/v of a layer, dense gate/up of a layer, and all experts of a
 layer must share one format. With on_split_group="extend" a high-precision exception spreads to its whole
 group; with "error" a split group raises. Trainer names are derived from HF names through `names.TABLE`.
@@ -21,7 +23,7 @@ import os
 import re
 
 from jaxrl_fp8.precision import names as N
-from jaxrl_fp8.precision.formats import BF16, FORMATS, QUANTIZED_FORMATS
+from jaxrl_fp8.precision.formats import BF16, FORMATS, NVFP4, QUANTIZED_FORMATS
 
 __all__ = ["PrecisionPolicy", "load_precision_config"]
 
@@ -84,6 +86,7 @@ class PrecisionPolicy:
     extra_high_precision_trainer: tuple[str, ...] = ()
     rules: tuple[Rule, ...] = ()
     on_split_group: str = "extend"  # or "error"
+    nvfp4_dense: bool = False  # NVFP4 also on attention / dense MLP projections (default: experts only)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -132,6 +135,8 @@ class PrecisionPolicy:
         if any(re.search(p, hf_name) for p in self.extra_high_precision_hf):
             return BF16
         if any(re.search(p, trainer_name) for p in self.extra_high_precision_trainer):
+            return BF16
+        if self.fmt == NVFP4 and role != N.TensorRole.EXPERT and not self.nvfp4_dense:
             return BF16
         return self.fmt
 

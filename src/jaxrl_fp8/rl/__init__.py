@@ -18,7 +18,6 @@ from jaxrl_fp8.rl.losses import (
     policy_loss,
     ppo_clip_loss,
     tis_weights,
-    token_logprobs_from_logits,
 )
 from jaxrl_fp8.rl.mismatch import (
     mismatch_metrics,

@@ -113,12 +113,6 @@ def aggregate(
 # per-token pieces
 
 
-def token_logprobs_from_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """log softmax(logits)[target] per position, in float32: `[B, T, V]`, `[B, T]` → `[B, T]`."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-
-
 def entropy_from_logits(logits: jax.Array) -> jax.Array:
     """Entropy of softmax(logits) per position, float32: `[..., V]` → `[...]`."""
     logits = logits.astype(jnp.float32)

@@ -23,20 +23,14 @@ from flax import nnx
 
 from jaxrl_fp8.rl import advantages as adv_lib
 from jaxrl_fp8.rl.batch import TrainBatch, build_batch
-from jaxrl_fp8.rl.losses import PolicyLossConfig, policy_loss
+from jaxrl_fp8.rl.losses import PolicyLossConfig, entropy_from_logits, policy_loss
 from jaxrl_fp8.rl.mismatch import mismatch_metrics
 from jaxrl_fp8.rl.rewards import compute_rewards
 # The rollout's log-prob convention (log_softmax(logits / T), row invariant): one definition for sampler and learner.
-from jaxrl_fp8.rollout.sampling import token_logprobs
+from jaxrl_fp8.rollout.sampling import tempered_logits, token_logprobs
 from jaxrl_fp8.rollout.types import SamplingParams
 
 __all__ = ["TrainerSettings", "Trainer", "make_optimizer"]
-
-
-def _entropy(logits: jax.Array, temperature: float) -> jax.Array:
-    z = logits.astype(jnp.float32) / temperature
-    logp = jax.nn.log_softmax(z, axis=-1)
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +121,8 @@ class Trainer:
     def _update(self, params, opt_state, mb, num_tokens):
         def loss_fn(p):
             logp, logits = self._forward_logprobs(p, mb["tokens"], mb.get("routed"))
-            ent = _entropy(logits, self.s.temperature)  # logged always; enters the loss only with entropy_coef > 0
+            # logged always; enters the loss only with entropy_coef > 0
+            ent = entropy_from_logits(tempered_logits(logits, self.s.temperature))
             return policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"], self.s.loss,
                                rollout_logp=mb["rollout_logp"] if self.s.loss.use_tis else None,
                                ref_logp=mb.get("ref_logp"), entropy=ent, num_tokens=num_tokens)
