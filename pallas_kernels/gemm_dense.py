@@ -3,12 +3,14 @@
 A is e4m3 with one float32 scale per row and 128-wide K block; B is e4m3 (HF [out, in] layout, so both
 operands are K-major as FP8 wgmma requires) with float32 scales per 128x128 block, or per row (wgrad).
 Per K block of 128 the kernel runs one wgmma into a fresh float32 accumulator and promotes it into the
-main accumulator as  acc += (partial * sa[m]) * sb[n]  (the block math of jaxrl_fp8.ops.xla_gemm).
+main accumulator as  acc += partial * (sa[m] * sb[n])  (the block math of jaxrl_fp8.ops.xla_gemm). With
+128x128 weight blocks and 128-wide tiles, sa[m] * sb is one value per row: one multiply-add per element.
 
 Structure (ideas from jax's hopper_matmul_mgpu example): a persistent grid of one program per SM walking
 output tiles, a warp-specialized TMA pipeline (one memory warpgroup, two compute warpgroups that each own
-tile_m rows of a (2 * tile_m) x tile_n CTA tile), and a TMA-store epilogue. The two compute warpgroups
-interleave: while one promotes its partial product, the other's wgmma runs.
+tile_m rows of a (2 * tile_m) x tile_n CTA tile), and a TMA-store epilogue. Promotion hides under the
+tensor core's work: with two K blocks per step a warpgroup issues the second block's wgmma before promoting
+the first, and the two compute warpgroups interleave.
 
 Row invariance: the tile configuration depends on N and K only, never on M, and the K blocks are
 accumulated in order, so a row's result does not depend on how many rows are in the batch.
@@ -31,18 +33,34 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
+    """Tiling of one kernel launch (see docs/decisions/0002-gemm-tiling.md).
+
+    k_blocks_per_step: 128-wide K blocks per pipeline step (1 or 2). With 2, each compute warpgroup issues the
+      second block's wgmma before it promotes the first, so that promotion runs under the tensor core's work.
+    """
+
     tile_m: int = 64  # rows per compute warpgroup; the CTA tile is 2 * tile_m rows
     tile_n: int = 128
     max_concurrent_steps: int = 4
     grid_tile_width: int = 8
     grid_minor_dim: int = 1  # 0: walk M fastest inside a band, 1: walk N fastest
+    k_blocks_per_step: int = 1
+
+    def check(self, k: int, where: str) -> None:
+        if self.k_blocks_per_step not in (1, 2):
+            raise ValueError(f"{where}: k_blocks_per_step must be 1 or 2; got {self.k_blocks_per_step}")
+        if k % (BLOCK_K * self.k_blocks_per_step):
+            raise ValueError(f"{where}: K={k} is not a multiple of {BLOCK_K * self.k_blocks_per_step} (k_blocks_per_step)")
 
 
-def default_config(n: int, k: int) -> GemmConfig:
-    """Tiles chosen from N and K only (never M): keeps every row's arithmetic independent of the batch."""
-    del k
-    tile_n = 128 if n % 128 == 0 else 64
-    return GemmConfig(tile_n=tile_n)
+def default_config(n: int, k: int, b_rows_per_scale: int = BLOCK_K) -> GemmConfig:
+    """Tiles chosen from N, K and the scale layout only (never M): every row's arithmetic is independent
+    of the batch. Two K blocks per step where K allows."""
+    del n, b_rows_per_scale
+    if k % (2 * BLOCK_K):
+        return GemmConfig()
+    # Two stages of 2 x 128 K: 3 would need 235 KB of shared memory with the BF16 epilogue (limit 227 KB).
+    return GemmConfig(max_concurrent_steps=2, k_blocks_per_step=2)
 
 
 def _num_sms(interpret: bool) -> int:
@@ -59,25 +77,58 @@ def _swizzle_transforms(minor_elems: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def scaled_tile_pipeline(cfg: GemmConfig, k_iters: int, out_dtype):
+def uses_row_scales(cfg: GemmConfig, b_rows_per_scale: int) -> bool:
+    """True when one B scale covers the whole tile width, so promotion scales rows only (one FMA each)."""
+    return b_rows_per_scale == BLOCK_K and cfg.tile_n == BLOCK_K
+
+
+def b_scale_operand(b_scale, n: int, b_rows_per_scale: int, cfg: GemmConfig):
+    """The B scales as the kernel loads them.
+
+    Row mode ([..., N/128, K/128] -> [..., N/128, KB, 2*tile_m]): each tile's block scale repeated once per
+    CTA row, so it loads in the same register layout as A's row scales and folds into them.
+    Column mode ([..., N/g, KB] -> [..., KB, N]): one scale per output column (wgrad's 1x128 scales, or
+    tiles spanning several 128-row weight blocks).
+    """
+    s = jnp.asarray(b_scale, F32)
+    if uses_row_scales(cfg, b_rows_per_scale):
+        return jnp.broadcast_to(s[..., None], (*s.shape, 2 * cfg.tile_m))
+    if b_rows_per_scale != 1:
+        s = jnp.repeat(s, b_rows_per_scale, axis=-2)[..., :n, :]
+    return jnp.swapaxes(s, -1, -2)
+
+
+def scaled_tile_pipeline(cfg: GemmConfig, k_iters: int, out_dtype, row_scales: bool):
     """Returns the per-output-tile routine shared by the dense and the grouped kernels.
 
-    run(a_rows, b_rows, sa_rows, sb_rows, out_tile, out_smem, allocs): a_rows [2*tile_m, K] e4m3,
-    b_rows [tile_n, K] e4m3, sa_rows [KB, 2*tile_m] f32, sb_rows [KB, tile_n] f32, out_tile [2*tile_m, tile_n].
+    run(a_rows, b_rows, sa_rows, sb_rows, store, allocs): a_rows [2*tile_m, K] e4m3, b_rows [tile_n, K]
+    e4m3, sa_rows [KB, 2*tile_m] f32, sb_rows [KB, 2*tile_m] (row mode) or [KB, tile_n] (column mode) f32;
+    store(acc, wg) writes one compute warpgroup's float32 [tile_m, tile_n] result (rows wg*tile_m...).
+
+    Promotion of each K block's partial product p into the float32 accumulator:
+        acc = acc + p * (sa[m] * sb[n])
+    in row mode sa[m] * sb is one value per row (the tile lies inside one 128-row weight block).
     """
     tm, tn = cfg.tile_m, cfg.tile_n
+    kps = cfg.k_blocks_per_step
+    steps = k_iters // kps
     in_transforms = _swizzle_transforms(BLOCK_K, jnp.float8_e4m3fn)
+    sb_width = 2 * tm if row_scales else tn
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     def make(body, compute_context):
+        def fp8_spec(rows, j):
+            return plgpu.BlockSpec((rows, BLOCK_K), lambda s, j=j: (0, s * kps + j), transforms=in_transforms)
+
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k_iters,),
+            grid=(steps,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((2 * tm, BLOCK_K), lambda k: (0, k), transforms=in_transforms),
-                plgpu.BlockSpec((tn, BLOCK_K), lambda k: (0, k), transforms=in_transforms),
-                plgpu.BlockSpec((1, 2 * tm), lambda k: (k, 0)),
-                plgpu.BlockSpec((1, tn), lambda k: (k, 0)),
+                *[fp8_spec(2 * tm, j) for j in range(kps)],
+                *[fp8_spec(tn, j) for j in range(kps)],
+                plgpu.BlockSpec((kps, 2 * tm), lambda s: (s, 0)),
+                plgpu.BlockSpec((kps, sb_width), lambda s: (s, 0)),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -87,50 +138,86 @@ def scaled_tile_pipeline(cfg: GemmConfig, k_iters: int, out_dtype):
 
     def allocations(a, b, sa, sb):
         ignore = lambda *_, **__: None
-        return make(ignore, ignore).get_allocations(a, b, sa, sb)
+        return make(ignore, ignore).get_allocations(*([a] * kps), *([b] * kps), sa, sb)
 
-    def run(a_rows, b_rows, sa_rows, sb_rows, out_tile, out_smem, allocs):
+    def run(a_rows, b_rows, sa_rows, sb_rows, store, allocs):
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * tm, tm)
 
-        def body(_, a_smem, b_smem, sa_smem, sb_smem, acc):
-            def partial_scope(tmp_ref):
-                plgpu.wgmma(tmp_ref, a_smem.at[rows], b_smem.transpose((1, 0)))
-                return tmp_ref[...]
+        def scale(sa_smem, sb_smem, j):
+            """The block's combined scale: [tm] (row mode, broadcast later) or [tm, tn] (column mode)."""
+            sa = plgpu.load(sa_smem.at[j, rows], layout=row_layout)
+            if row_scales:
+                return sa * plgpu.load(sb_smem.at[j, rows], layout=row_layout)
+            sb = plgpu.load(sb_smem.at[j], layout=col_layout)
+            return lax.broadcast_in_dim(sa, (tm, tn), [0]) * lax.broadcast_in_dim(sb, (tm, tn), [1])
 
-            partial = pl.run_scoped(partial_scope, plgpu.ACC((tm, tn), F32))
-            sa = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-            sb = plgpu.load(sb_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-            scaled = partial * lax.broadcast_in_dim(sa, (tm, tn), [0])
-            return acc + scaled * lax.broadcast_in_dim(sb, (tm, tn), [1])
+        def promote(acc, partial, s):
+            if row_scales:
+                s = lax.broadcast_in_dim(s, (tm, tn), [0])
+            return acc + partial * s
+
+        def mma(acc_ref, a_smem, b_smem):
+            plgpu.wgmma(acc_ref, a_smem.at[rows], b_smem.transpose((1, 0)))
+
+        def body(_, *refs):
+            """k_blocks_per_step blocks per step, all wgmmas issued before the first promotion."""
+            a_s, b_s, (sa_smem, sb_smem, acc) = refs[:kps], refs[kps : 2 * kps], refs[2 * kps :]
+
+            def scope(*acc_refs):
+                for j in range(kps):
+                    mma(acc_refs[j], a_s[j], b_s[j])
+                out = acc
+                for j in range(kps):
+                    partial = plgpu.wgmma_accumulator_load(acc_refs[j], wait_n=kps - 1 - j)
+                    out = promote(out, partial, scale(sa_smem, sb_smem, j))
+                return out
+
+            return pl.run_scoped(scope, *[plgpu.ACC((tm, tn), F32) for _ in range(kps)])
 
         def compute_context(eval_pipeline):
-            acc0 = plgpu.layout_cast(jnp.zeros((tm, tn), F32), plgpu.Layout.WGMMA)
-            acc = eval_pipeline(acc0)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
-            out_smem[wg] = acc.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile.at[rows])
+            store(eval_pipeline(zero_acc(tm, tn)), wg)
 
-        make(body, compute_context)(a_rows, b_rows, sa_rows, sb_rows, allocations=allocs)
+        make(body, compute_context)(*([a_rows] * kps), *([b_rows] * kps), sa_rows, sb_rows, allocations=allocs)
 
     return allocations, run
+
+
+def zero_acc(tm: int, tn: int):
+    return plgpu.layout_cast(jnp.zeros((tm, tn), F32), plgpu.Layout.WGMMA)
 
 
 def _out_smem(cfg: GemmConfig, out_dtype):
     return plgpu.SMEM((2, cfg.tile_m, cfg.tile_n), out_dtype, transforms=_swizzle_transforms(cfg.tile_n, out_dtype))
 
 
-def _dense_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig):
+def tile_store(out_tile, out_smem, tile_m: int):
+    """Epilogue of a full output tile: registers -> swizzled smem -> one TMA store per warpgroup."""
+
+    def store(acc, wg):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
+        out_smem[wg] = acc.astype(out_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile.at[pl.ds(wg * tile_m, tile_m)])
+
+    return store
+
+
+def tile_scales(sb_gmem, ni, tile_n: int, row_scales: bool):
+    """The B scales of output column tile ni: its weight block's (row mode) or its columns' (column mode)."""
+    return sb_gmem.at[ni] if row_scales else sb_gmem.at[:, pl.ds(ni * tile_n, tile_n)]
+
+
+def _dense_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, row_scales: bool):
     mp, k = a_gmem.shape
     n = b_gmem.shape[0]
     cta_m, tn = 2 * cfg.tile_m, cfg.tile_n
     m_iters, n_iters, k_iters = mp // cta_m, n // tn, k // BLOCK_K
-    allocations, run = scaled_tile_pipeline(cfg, k_iters, o_gmem.dtype)
+    allocations, run = scaled_tile_pipeline(cfg, k_iters, o_gmem.dtype, row_scales)
 
     @functools.partial(
         pl.run_scoped,
-        allocs=allocations(a_gmem, b_gmem, sa_gmem, sb_gmem),
+        allocs=allocations(a_gmem, b_gmem, sa_gmem, tile_scales(sb_gmem, 0, tn, row_scales)),
         out_smem=_out_smem(cfg, o_gmem.dtype),
         collective_axes="wg",
     )
@@ -139,7 +226,8 @@ def _dense_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig):
         def _tiles(info):
             mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
             ms, ns = pl.ds(mi * cta_m, cta_m), pl.ds(ni * tn, tn)
-            run(a_gmem.at[ms], b_gmem.at[ns], sa_gmem.at[:, ms], sb_gmem.at[:, ns], o_gmem.at[ms, ns], out_smem, allocs)
+            sb = tile_scales(sb_gmem, ni, tn, row_scales)
+            run(a_gmem.at[ms], b_gmem.at[ns], sa_gmem.at[:, ms], sb, tile_store(o_gmem.at[ms, ns], out_smem, cfg.tile_m), allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -161,27 +249,21 @@ def check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale: int, where: str
         raise ValueError(f"{where}: b_scale must be {want} ({b_rows_per_scale} rows per scale); got {b_scale.shape}")
 
 
-def row_scales_t(b_scale, n: int, b_rows_per_scale: int):
-    """[..., N/g, KB] -> [..., KB, N]: one scale per output column and K block (what the kernel loads)."""
-    s = jnp.asarray(b_scale, F32)
-    if b_rows_per_scale != 1:
-        s = jnp.repeat(s, b_rows_per_scale, axis=-2)[..., :n, :]
-    return jnp.swapaxes(s, -1, -2)
-
-
 def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 128, out_dtype=F32, interpret: bool = False, config: GemmConfig | None = None):
     """C = A . B^T with block scales (see module doc). Any M; N, K multiples of 128."""
     check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale, "gemm_dense.block_scaled_matmul")
     m, k = a_q.shape
     n = b_q.shape[0]
-    cfg = config or default_config(n, k)
+    cfg = config or default_config(n, k, b_rows_per_scale)
+    cfg.check(k, "gemm_dense.block_scaled_matmul")
+    row_scales = uses_row_scales(cfg, b_rows_per_scale)
     cta_m = 2 * cfg.tile_m
     mp = -(-m // cta_m) * cta_m
     a = jnp.pad(a_q, [(0, mp - m), (0, 0)])
     sa_t = jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
-    sb_t = row_scales_t(b_scale, n, b_rows_per_scale)
+    sb_t = b_scale_operand(b_scale, n, b_rows_per_scale, cfg)
     call = plgpu.kernel(
-        functools.partial(_dense_kernel, cfg=cfg),
+        functools.partial(_dense_kernel, cfg=cfg, row_scales=row_scales),
         out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
         grid=(_num_sms(interpret),),
         grid_names=("sm",),

@@ -1,12 +1,12 @@
 """Grouped (MoE) block-scaled FP8 GEMM for Hopper: y[r] = x[r] . w[g(r)]^T for expert-sorted rows.
 
-Ragged tiling: each group's rows are placed at a 128-row aligned offset of a padded row space (a gather,
-done by XLA), so every CTA row tile belongs to exactly one expert. The kernel is the dense kernel's tile
-routine with B, its scales and the tile's expert looked up per tile; tiles past the last group are skipped.
-Same numerics as the dense kernel (one wgmma per 128-wide K block, promoted as acc += (p * sa) * sb), and a
-row's result depends only on that row and its expert (row invariance).
-
-Cost of the alignment: at most 127 padded rows per non-empty expert plus one gather of x and of y.
+Ragged tiling in place: rows stay where they are (no gather of x, no scatter of y). The row space is cut
+into 2*tile_m-row blocks; a block that straddles a group boundary is computed once for each group that
+owns rows in it, and each of those work items stores only its group's rows (a few power-of-two TMA
+stores). There are at most ceil(M / tile) + E work items; the rows past sum(group_sizes) are one more
+"group" whose work items store zeros without any MMA. The tile routine, the numerics (one wgmma per
+128-wide K block, promoted as acc += p * (sa * sb)) and the row invariance are the dense kernel's: a row's
+result depends only on that row and its expert, never on where the block boundaries fall.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -23,87 +24,131 @@ from pallas_kernels.gemm_dense import (
     F32,
     GemmConfig,
     _num_sms,
-    _out_smem,
+    b_scale_operand,
     check_operands,
     default_config,
-    row_scales_t,
     scaled_tile_pipeline,
+    tile_scales,
+    uses_row_scales,
+    zero_acc,
 )
 
-
-def _grouped_kernel(tile_group_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig):
-    mp, k = a_gmem.shape
-    n = b_gmem.shape[1]
-    cta_m, tn = 2 * cfg.tile_m, cfg.tile_n
-    m_iters, n_iters, k_iters = mp // cta_m, n // tn, k // BLOCK_K
-    allocations, run = scaled_tile_pipeline(cfg, k_iters, o_gmem.dtype)
-
-    @functools.partial(
-        pl.run_scoped,
-        allocs=allocations(a_gmem, b_gmem.at[0], sa_gmem, sb_gmem.at[0]),
-        out_smem=_out_smem(cfg, o_gmem.dtype),
-        collective_axes="wg",
-    )
-    def _scope(allocs, out_smem):
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-        def _tiles(info):
-            mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
-            g = tile_group_gmem[mi]
-
-            @pl.when(g >= 0)
-            def _():
-                ms, ns = pl.ds(mi * cta_m, cta_m), pl.ds(ni * tn, tn)
-                run(a_gmem.at[ms], b_gmem.at[g, ns], sa_gmem.at[:, ms], sb_gmem.at[g, :, ns], o_gmem.at[ms, ns], out_smem, allocs)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+# Rows of the work-item table (int32 [4, T]).
+GROUP, BLOCK, OFFSET, SIZE = range(4)
 
 
-def aligned_layout(group_sizes, m: int, tile: int):
-    """Maps rows to a padded space where each group starts at a multiple of `tile`.
+def work_items(group_sizes, m: int, tile: int):
+    """The kernel's work list: int32 [4, ceil(m / tile) + E] of (group, block, offset, size).
 
-    Returns (src [Mpad] source row or -1, dst [M] padded row of each row or -1, tile_group [Mpad/tile]).
+    Item t computes row block `block` (rows block*tile ... +tile) with expert `group` and stores its rows
+    [offset, offset + size) of that block; group == -1 stores zeros (rows past sum(group_sizes)); size == 0
+    marks an unused item. Groups are consecutive row ranges in order; sizes are clipped to m.
     """
     e = group_sizes.shape[0]
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = ends - jnp.minimum(sizes, ends)
-    sizes = ends - starts
-    padded = (sizes + tile - 1) // tile * tile
-    pends = jnp.cumsum(padded)
-    pstarts = pends - padded
-    mpad = (-(-m // tile) + e) * tile
-    p = jnp.arange(mpad, dtype=jnp.int32)
-    gp = jnp.minimum(jnp.searchsorted(pends, p, side="right").astype(jnp.int32), e - 1)
-    local = p - pstarts[gp]
-    src = jnp.where((p < pends[-1]) & (local < sizes[gp]), starts[gp] + local, -1)
-    r = jnp.arange(m, dtype=jnp.int32)
-    gr = jnp.minimum(jnp.searchsorted(ends, r, side="right").astype(jnp.int32), e - 1)
-    dst = jnp.where(r < ends[-1], pstarts[gr] + r - starts[gr], -1)
-    t = jnp.arange(mpad // tile, dtype=jnp.int32) * tile
-    tile_group = jnp.where(t < pends[-1], gp[t], -1)
-    return src, dst, tile_group
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    starts = jnp.concatenate([starts, ends[-1:]])  # the zero-filled tail is group e
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    first_block = starts // tile
+    blocks = jnp.where(ends > starts, (ends - 1) // tile + 1 - first_block, 0)
+    item_end = jnp.cumsum(blocks)
+    item_begin = item_end - blocks
+    t = jnp.arange(-(-m // tile) + e, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(item_end, t, side="right").astype(jnp.int32), e)
+    used = t < item_end[-1]
+    block = first_block[g] + t - item_begin[g]
+    lo = jnp.maximum(starts[g], block * tile)
+    hi = jnp.minimum(ends[g], block * tile + tile)
+    size = jnp.where(used, hi - lo, 0)
+    group = jnp.where(g < e, g, -1)
+    return jnp.stack([group, jnp.where(used, block, 0), lo - block * tile, size])
 
 
-def _take_rows(x, idx):
-    return jnp.where((idx >= 0)[:, None], jnp.take(x, jnp.maximum(idx, 0), axis=0), jnp.zeros((), x.dtype))
+def masked_store(out_rows, out_smem, tile_m: int, offset, size):
+    """Epilogue storing only rows [offset, offset + size) of a 2*tile_m-row block (power-of-two TMA stores)."""
+
+    def store(acc, wg):
+        base = wg * tile_m
+        lo = jnp.clip(offset - base, 0, tile_m)
+        hi = jnp.clip(offset + size - base, 0, tile_m)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem[wg] = acc.astype(out_smem.dtype)
+        plgpu.commit_smem()
+        count, start = hi - lo, lo
+        rows = tile_m
+        while rows >= 1:
+
+            @pl.when((count & rows) != 0)
+            def _(rows=rows, start=start):
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, pl.ds(start, rows)], out_rows.at[pl.ds(base + start, rows)])
+
+            start = start + (count & rows)
+            rows //= 2
+
+    return store
+
+
+def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, row_scales: bool):
+    k = a_gmem.shape[1]
+    n = b_gmem.shape[1]
+    cta_m, tm, tn = 2 * cfg.tile_m, cfg.tile_m, cfg.tile_n
+    t_iters, n_iters, k_iters = items_gmem.shape[1], n // tn, k // BLOCK_K
+    allocations, run = scaled_tile_pipeline(cfg, k_iters, o_gmem.dtype, row_scales)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=allocations(a_gmem, b_gmem.at[0], sa_gmem, tile_scales(sb_gmem.at[0], 0, tn, row_scales)),
+        out_smem=plgpu.SMEM((2, tm, tn), o_gmem.dtype),  # unswizzled: stores start at any row
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm")
+        def _tiles(info):
+            ti, ni = plgpu.planar_snake(info.index[0], (t_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+            g, blk, offset, size = (items_gmem[f, ti] for f in (GROUP, BLOCK, OFFSET, SIZE))
+            ms, ns = pl.ds(blk * cta_m, cta_m), pl.ds(ni * tn, tn)
+            out_rows = o_gmem.at[:, ns]
+
+            @pl.when((size > 0) & (g >= 0))
+            def _():
+                # Row blocks past M are cropped by the masked store; A was padded to whole blocks.
+                store = masked_store(out_rows.at[pl.ds(blk * cta_m, cta_m)], out_smem, tm, offset, size)
+                sb = tile_scales(sb_gmem.at[g], ni, tn, row_scales)
+                run(a_gmem.at[ms], b_gmem.at[g, ns], sa_gmem.at[:, ms], sb, store, allocs)
+
+            @pl.when((size > 0) & (g < 0))
+            def _():
+                wg = lax.axis_index("wg")
+
+                @pl.when(wg < 2)
+                def _():
+                    masked_store(out_rows.at[pl.ds(blk * cta_m, cta_m)], out_smem, tm, offset, size)(zero_acc(tm, tn), wg)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_dtype=F32, interpret: bool = False, config: GemmConfig | None = None):
-    """a_q [M, K] e4m3 (rows sorted by group), a_scale [M, K/128]; b_q [E, N, K], b_scale [E, N/128, K/128]."""
+    """a_q [M, K] e4m3 (rows sorted by group), a_scale [M, K/128]; b_q [E, N, K], b_scale [E, N/128, K/128].
+
+    Rows past sum(group_sizes) come out as zeros.
+    """
     check_operands(a_q, a_scale, b_q, b_scale, 128, "gemm_grouped.grouped_block_scaled_matmul")
     m, k = a_q.shape
     e, n, _ = b_q.shape
     if group_sizes.shape != (e,):
         raise ValueError(f"gemm_grouped: group_sizes must be [{e}]; got {group_sizes.shape}")
     cfg = config or default_config(n, k)
+    cfg.check(k, "gemm_grouped.grouped_block_scaled_matmul")
     tile = 2 * cfg.tile_m
-    src, dst, tile_group = aligned_layout(group_sizes, m, tile)
-    a = _take_rows(a_q, src)
-    sa_t = _take_rows(jnp.asarray(a_scale, F32), src).T
-    sb_t = row_scales_t(b_scale, n, 128)
+    items = work_items(group_sizes, m, tile)
+    mp = -(-m // tile) * tile
+    a = jnp.pad(a_q, [(0, mp - m), (0, 0)]) if mp != m else a_q  # a copy only when M is not whole blocks
+    sa_t = jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
+    sb_t = b_scale_operand(b_scale, n, 128, cfg)
     call = plgpu.kernel(
-        functools.partial(_grouped_kernel, cfg=cfg),
-        out_type=jax.ShapeDtypeStruct((a.shape[0], n), out_dtype),
+        functools.partial(_grouped_kernel, cfg=cfg, row_scales=uses_row_scales(cfg, 128)),
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(_num_sms(interpret),),
         grid_names=("sm",),
         num_threads=3,
@@ -112,5 +157,4 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_
     )
     from pallas_kernels.interpret import launch
 
-    out = launch(call, tile_group, a, b_q, sa_t, sb_t, interpret=interpret)
-    return _take_rows(out, dst)
+    return launch(call, items, a, b_q, sa_t, sb_t, interpret=interpret)

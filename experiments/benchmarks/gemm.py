@@ -6,6 +6,10 @@ linear vs BF16; a device-to-device copy for the bandwidth ceiling. Correctness o
 checked against a float64 block-math reference on a slice of rows. Prints a table, writes JSON.
 
     PYTHONPATH=src:. python3 experiments/benchmarks/gemm.py --out results/gemm_h200.json [--quick]
+        [--suites dense,moe,linear] [--baseline path/to/previous/gemm_dense.py]
+
+`--baseline` times a previous version of the dense kernel module (same API) in the same run, so a change's
+effect is measured against the same machine state.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -78,7 +83,21 @@ def check_rows(y, xq, sa, wq, sb, rows=256):
     return R.rel_err(np.asarray(y[:rows], np.float32), ref)
 
 
-def dense_suite(m, n, k, configs, label):
+def cfg_label(cfg) -> str:
+    kps = getattr(cfg, "k_blocks_per_step", 1)
+    extra = f" k{kps}"
+    return f"{cfg.tile_m*2}x{cfg.tile_n} s{cfg.max_concurrent_steps} w{cfg.grid_tile_width} minor{cfg.grid_minor_dim}{extra}"
+
+
+def load_module(path):
+    spec = importlib.util.spec_from_file_location("gemm_dense_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def dense_suite(m, n, k, configs, label, baseline=None):
     flops = 2 * m * n * k
     a16, b16 = rand(1, (m, k), jnp.bfloat16), rand(2, (n, k), jnp.bfloat16, 0.05)
     try_run(f"xla_bf16 {label}", lambda: record(f"xla_bf16_dot {label}", (m, n, k), flops,
@@ -91,13 +110,16 @@ def dense_suite(m, n, k, configs, label):
     xla_path = jax.jit(lambda a, s, b, t: ops.xla_gemm.block_scaled_matmul(a, s, b, t, out_dtype=jnp.bfloat16))
     if m * n * k <= 8192**3:
         try_run(f"xla_blockscaled {label}", lambda: record(f"xla_block_scaled(scan) {label}", (m, n, k), flops, bench(xla_path, xq, sa, wq, sb, iters=3, reps=2)))
-    for cfg in configs:
-        def one(cfg=cfg):
-            f = jax.jit(functools.partial(gemm_dense.block_scaled_matmul, out_dtype=jnp.bfloat16, config=cfg))
+    variants = [(gemm_dense, cfg, "ours_dense") for cfg in configs]
+    if baseline is not None:
+        variants.append((baseline, baseline.GemmConfig(64, 128, 4, 16, 0), "previous_dense"))
+    for mod, cfg, tag in variants:
+        def one(mod=mod, cfg=cfg, tag=tag):
+            f = jax.jit(functools.partial(mod.block_scaled_matmul, out_dtype=jnp.bfloat16, config=cfg))
             y = f(xq, sa, wq, sb)
             err = check_rows(y, xq, sa, wq, sb)
-            record(f"ours_dense {label} {cfg.tile_m*2}x{cfg.tile_n} s{cfg.max_concurrent_steps} w{cfg.grid_tile_width}", (m, n, k), flops, bench(f, xq, sa, wq, sb), err=f"relerr={err:.2e}")
-        try_run(f"ours_dense {label} {cfg}", one)
+            record(f"{tag} {label} {cfg_label(cfg)}", (m, n, k), flops, bench(f, xq, sa, wq, sb), err=f"relerr={err:.2e}", config=str(cfg))
+        try_run(f"{tag} {label} {cfg}", one)
 
 
 def moe_suite(configs, quick):
@@ -133,7 +155,7 @@ def moe_suite(configs, quick):
                 y = f(xq, sa, wq, sb, sizes)
                 s0 = int(sizes[0])
                 err = check_rows(y[:s0], xq[:s0], sa[:s0], wq[0], sb[0])
-                record(f"ours_grouped {name} {cfg.tile_m*2}x{cfg.tile_n} s{cfg.max_concurrent_steps}", (m, n, k, e), flops, bench(f, xq, sa, wq, sb, sizes), err=f"relerr={err:.2e}")
+                record(f"ours_grouped {name} {cfg_label(cfg)}", (m, n, k, e), flops, bench(f, xq, sa, wq, sb, sizes), err=f"relerr={err:.2e}", config=str(cfg))
             try_run(f"ours_grouped {name} {cfg}", one)
 
 
@@ -161,22 +183,31 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer variants (first device call)")
+    p.add_argument("--suites", default="dense,moe,linear", help="comma-separated subset of dense,moe,linear")
+    p.add_argument("--baseline", default=None, help="path of a previous gemm_dense.py to time in the same run")
     args = p.parse_args(argv)
+    suites = set(args.suites.split(","))
+    baseline = load_module(args.baseline) if args.baseline else None
     C = gemm_dense.GemmConfig
-    dense_cfgs = [C(64, 128, 4, 8), C(64, 128, 3, 4), C(64, 128, 6, 8), C(64, 256, 3, 8), C(64, 128, 4, 16, 0)]
+    default = gemm_dense.default_config(8192, 8192)
+    dense_cfgs = [default, C(64, 128, 4, 8), C(64, 128, 2, 16, 0, k_blocks_per_step=2), C(64, 128, 4, 16, 0), C(64, 256, 2, 8, k_blocks_per_step=1)]
+    dense_cfgs = list(dict.fromkeys(dense_cfgs))
     if args.quick:
         dense_cfgs = dense_cfgs[:2]
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}", flush=True)
     try_run("copy", copy_bandwidth)
-    dense_suite(8192, 8192, 8192, dense_cfgs, "8192^3")
-    dense_suite(4096, 7168, 16384, dense_cfgs[:3], "4096x7168x16384")
-    hidden, heads, kv, hd = 2048, 32, 4, 128
-    for name, n, k in [("qkv", (heads + 2 * kv) * hd, hidden), ("o", hidden, heads * hd)]:
-        dense_suite(16384, n, k, dense_cfgs[:1], f"attn_{name} M16384")
-        dense_suite(64, n, k, dense_cfgs[:1], f"attn_{name} decode M64")
-    moe_suite(dense_cfgs[:3], args.quick)
-    linear_fwd_bwd_suite(8192, 8192, 8192, "8192^3")
-    linear_fwd_bwd_suite(16384, 2048, 4096, "attn_o M16384")
+    if "dense" in suites:
+        dense_suite(8192, 8192, 8192, dense_cfgs, "8192^3", baseline)
+        dense_suite(4096, 7168, 16384, dense_cfgs[:4], "4096x7168x16384", baseline)
+        hidden, heads, kv, hd = 2048, 32, 4, 128
+        for name, n, k in [("qkv", (heads + 2 * kv) * hd, hidden), ("o", hidden, heads * hd)]:
+            dense_suite(16384, n, k, dense_cfgs[:2], f"attn_{name} M16384", baseline)
+            dense_suite(64, n, k, dense_cfgs[:2], f"attn_{name} decode M64", baseline)
+    if "moe" in suites:
+        moe_suite(dense_cfgs[:4], args.quick)
+    if "linear" in suites:
+        linear_fwd_bwd_suite(8192, 8192, 8192, "8192^3")
+        linear_fwd_bwd_suite(16384, 2048, 4096, "attn_o M16384")
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, python=platform.python_version(), anchors_reference_md=ANCHORS,
                 timing="median over 5 repetitions of 20 back-to-back jitted calls (wall clock / 20) after 3 warm-ups", time=time.strftime("%Y-%m-%d %H:%M:%S"))
     out = dict(meta=meta, results=RESULTS)

@@ -19,13 +19,19 @@ def _operands(seed, m, e, n, k):
     return xq, sa, wq, sb
 
 
-def test_aligned_layout_round_trip():
-    gs = jnp.asarray([3, 0, 130, 1, 0], jnp.int32)
-    src, dst, tile_group = gemm_grouped.aligned_layout(gs, 140, 128)
-    src, dst, tg = map(np.asarray, (src, dst, tile_group))
-    assert np.all(dst[134:] == -1)  # padding rows
-    np.testing.assert_array_equal(src[dst[:134]], np.arange(134))
-    assert list(tg[:4]) == [0, 2, 2, 3] and np.all(tg[4:] == -1)
+def test_work_items_cover_every_row_once():
+    """Each row is stored by exactly one work item, with its own group; the tail rows by a zero item."""
+    rng = np.random.default_rng(7)
+    for m, gs in [(140, [3, 0, 130, 1, 0]), (256, [256, 0]), (1, [0, 1]), (1000, list(rng.multinomial(900, np.ones(9) / 9)))]:
+        items = np.asarray(gemm_grouped.work_items(jnp.asarray(gs, jnp.int32), m, 128))
+        assert items.shape == (4, -(-m // 128) + len(gs))
+        owner = np.full(m, -2)
+        for g, blk, off, size in items.T:
+            rows = np.arange(blk * 128 + off, blk * 128 + off + size)
+            assert np.all(owner[rows] == -2), "a row stored twice"
+            owner[rows] = g
+        want = np.concatenate([np.full(s, i) for i, s in enumerate(gs)] + [np.full(m - sum(gs), -1)]).astype(int)
+        np.testing.assert_array_equal(owner, want)
 
 
 def test_interpret_ragged_groups_with_empty_experts():
@@ -34,6 +40,25 @@ def test_interpret_ragged_groups_with_empty_experts():
     y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True)
     assert R.rel_err(y, R.grouped_block_scaled_matmul(xq, sa, wq, sb, gs)) < 1e-6
     assert np.all(np.asarray(y)[140:] == 0)
+
+
+def test_interpret_groups_straddling_blocks_and_partial_last_block():
+    """Group boundaries off the 128-row grid, a group spanning three blocks, M not a multiple of 128."""
+    xq, sa, wq, sb = _operands(3, 300, 5, 256, 256)
+    gs = jnp.asarray([0, 129, 0, 150, 0], jnp.int32)
+    y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True)
+    assert y.shape == (300, 256)
+    assert R.rel_err(y, R.grouped_block_scaled_matmul(xq, sa, wq, sb, gs)) < 1e-6
+    assert np.all(np.asarray(y)[279:] == 0)
+
+
+def test_interpret_row_invariance_across_block_offsets():
+    """The same rows give bit-identical results wherever the 128-row block boundaries fall."""
+    xq, sa, wq, sb = _operands(4, 200, 2, 128, 256)
+    gs = jnp.asarray([60, 140], jnp.int32)
+    full = np.asarray(gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True))
+    shifted = np.asarray(gemm_grouped.grouped_block_scaled_matmul(xq[50:], sa[50:], wq, sb, jnp.asarray([10, 140], jnp.int32), interpret=True))
+    np.testing.assert_array_equal(shifted, full[50:])
 
 
 def test_interpret_single_row():

@@ -40,15 +40,19 @@ def linear(x, w, *, fmt: str = "bf16", backward: str = "high_precision", backend
     return y.reshape(*lead, n)
 
 
+def _weight_nk(w) -> tuple[int, int]:
+    return tuple((w.shape if hasattr(w, "shape") else jnp.shape(w))[-2:])
+
+
 def _forward(x, w, fmt, backend):
     """Returns (y float32 [M, N], the quantized operands the backward may reuse)."""
-    n, k = (w.shape if hasattr(w, "shape") else jnp.shape(w))[-2:]
+    n, k = _weight_nk(w)
     if fmt == F.BF16:
         return dot_nt_f32(x.astype(BF16), jnp.asarray(w).astype(BF16)), None
     if fmt == F.FP8_BLOCK:
-        xq, sa = O.fp8_act(x)
-        wq, sb = O.fp8_weight(w)
         be = backends.resolve(backend, fmt, n, k)
+        xq, sa = O.fp8_act(x, be)
+        wq, sb = O.fp8_weight(w, be)
         return backends.block_scaled_matmul(xq, sa, wq, sb, backend=be), (xq, sa, wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
     return dot_nt_f32(xd, wd), (xd, wd)
@@ -70,7 +74,7 @@ def _pad_rows(a, multiple):
     return jnp.pad(a, [(0, pad), (0, 0)]) if pad else a
 
 
-def fp8_backward(g, x, wq, sb, backend):
+def fp8_backward(g, x, wq, sb, backend, dx_dtype=F32):
     """dgrad and wgrad in FP8: each GEMM's operands quantized 1x128 along its contraction axis.
 
     dgrad dx[M, K] = g[M, N] . W[N, K]: g grouped along N; W^T reuses the forward 128x128 blocks (scales
@@ -78,13 +82,13 @@ def fp8_backward(g, x, wq, sb, backend):
     """
     m, n = g.shape
     k = x.shape[1]
-    gq, sg = O.fp8_act(g)
     be = backends.resolve(backend, F.FP8_BLOCK, k, n)
-    dx = backends.block_scaled_matmul(gq, sg, wq.T, sb.T, backend=be)
+    gq, sg = O.fp8_act(g, be)
+    dx = backends.block_scaled_matmul(gq, sg, wq.T, sb.T, backend=be, out_dtype=dx_dtype)
     gp, xp = _pad_rows(g, 128), _pad_rows(x, 128)
-    gtq, sgt = O.fp8_act(gp.T)
-    xtq, sxt = O.fp8_act(xp.T)
     be = backends.resolve(backend, F.FP8_BLOCK, k, gp.shape[0])
+    gtq, sgt = O.fp8_act(gp.T, be)
+    xtq, sxt = O.fp8_act(xp.T, be)
     dw = backends.block_scaled_matmul(gtq, sgt, xtq, sxt, b_rows_per_scale=1, backend=be)
     return dx, dw
 
@@ -92,8 +96,8 @@ def fp8_backward(g, x, wq, sb, backend):
 def _linear_bwd(fmt, backward, backend, out_dtype, res, g):
     x, w, kept = res
     if backward == "fp8":
-        wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w)
-        dx, dw = fp8_backward(g, x, wq, sb, backend)
+        wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w, backends.resolve(backend, F.FP8_BLOCK, *_weight_nk(w)))
+        dx, dw = fp8_backward(g, x, wq, sb, backend, dx_dtype=x.dtype)
     else:
         a, b = O.backward_operands(backward, fmt, x, w, kept)
         gb = g.astype(BF16)

@@ -39,9 +39,9 @@ def _forward(x, w, gs, fmt, backend):
     if fmt == F.BF16:
         return grouping.grouped_dot(x, jnp.asarray(w), gs), None
     if fmt == F.FP8_BLOCK:
-        xq, sa = O.fp8_act(x)
-        wq, sb = O.fp8_weight(w)
         be = backends.resolve(backend, fmt, n, k)
+        xq, sa = O.fp8_act(x, be)
+        wq, sb = O.fp8_weight(w, be)
         return backends.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, backend=be), (xq, sa, wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
     return grouping.grouped_dot(xd, wd, gs), (xd, wd)
@@ -74,13 +74,13 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
     e, n, k = w.shape
     g = _rows_in_groups(g, gs)
     if backward == "fp8":
-        wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w)
-        gq, sg = O.fp8_act(g)
-        be = backends.resolve(backend, F.FP8_BLOCK, k, n)
+        be, be_fwd = backends.resolve(backend, F.FP8_BLOCK, k, n), backends.resolve(backend, F.FP8_BLOCK, n, k)
+        wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w, be_fwd)
+        gq, sg = O.fp8_act(g, be)
         dx = backends.grouped_block_scaled_matmul(gq, sg, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(sb, 1, 2), gs, backend=be)
         xm = _rows_in_groups(x, gs)
-        gtq, sgt = O.fp8_act(_pad_cols(g.T, 128))
-        xtq, sxt = O.fp8_act(_pad_cols(xm.T, 128))
+        gtq, sgt = O.fp8_act(_pad_cols(g.T, 128), be)
+        xtq, sxt = O.fp8_act(_pad_cols(xm.T, 128), be)
         dw = grouping.grouped_wgrad_fp8(gtq, sgt, xtq, sxt, gs, e)
     else:
         a, b = O.backward_operands(backward, fmt, x, w, kept)

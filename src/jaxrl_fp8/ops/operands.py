@@ -37,17 +37,35 @@ def check_weight(w, fmt: str, k: int, weight_ndim: int, where: str) -> tuple[int
     return shape
 
 
-def fp8_act(x):
+# Input dtypes the Pallas quantization kernels take; others go through the contract's jnp functions.
+_KERNEL_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _use_kernel(x, backend: str | None) -> bool:
+    """On the Mosaic GPU backend, quantize with the Pallas kernels: bitwise equal to the contract (tested on
+    CPU and on the H200) and about 4x faster than the XLA fusion of the same math (quantize_h200.json)."""
+    return backend == "mosaic" and jnp.dtype(x.dtype) in _KERNEL_INPUTS
+
+
+def fp8_act(x, backend: str | None = None):
     """1x128 per-token FP8 groups along the last axis."""
+    if _use_kernel(x, backend):
+        from pallas_kernels import quantize as K
+
+        return K.fp8_per_token_group(x, F.FP8_ACT_GROUP)
     return quantize_fp8_per_token_group(x, F.FP8_ACT_GROUP)
 
 
-def fp8_weight(w):
+def fp8_weight(w, backend: str | None = None):
     """(q, 128x128 scale_inv) of a master weight or an fp8-block QuantizedWeight."""
     if isinstance(w, QuantizedWeight):
         if w.fmt == F.FP8_BLOCK:
             return w.data, w.scale
-        return quantize_fp8_per_block(dequantize_weight(w, F32), F.FP8_BLOCK_WEIGHT)
+        w = dequantize_weight(w, F32)
+    if _use_kernel(w, backend):
+        from pallas_kernels import quantize as K
+
+        return K.fp8_per_block(w, F.FP8_BLOCK_WEIGHT)
     return quantize_fp8_per_block(w, F.FP8_BLOCK_WEIGHT)
 
 

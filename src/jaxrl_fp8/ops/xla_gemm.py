@@ -2,7 +2,7 @@
 
 Block math (the one the kernels implement):
     partial_kb[m, n] = sum_{k in block kb} float32(a_q[m, k]) * float32(b_q[n, k])      (float32 accumulation)
-    acc[m, n]        = acc[m, n] + (partial_kb[m, n] * sa[m, kb]) * sb[n // g, kb]     (kb = 0, 1, ... in order)
+    acc[m, n]        = acc[m, n] + partial_kb[m, n] * (sa[m, kb] * sb[n // g, kb])     (kb = 0, 1, ... in order)
 with `g` = 128 for 128x128 weight blocks and 1 for per-row (1x128) scales on the right operand (wgrad).
 
 Row invariance: every product is a fixed-shape dot over one 128-wide K block and the K blocks are
@@ -80,7 +80,7 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = B
     def step(acc, xs):
         ab, bb, sak, sbk = xs
         partial = lax.dot_general(ab, bb, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-        return acc + (partial * sak[:, None]) * sbk[None, :], None
+        return acc + partial * (sak[:, None] * sbk[None, :]), None
 
     acc, _ = lax.scan(step, jnp.zeros((mp, n), F32), (a_blocks, b_blocks, sa, sb))
     return acc[:m].astype(out_dtype)
