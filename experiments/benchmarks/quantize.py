@@ -1,6 +1,7 @@
 """Bandwidth of the Pallas quantization kernels against XLA and a device-to-device copy, in one run.
 
     PYTHONPATH=src:. python experiments/benchmarks/quantize.py --out results/quantize_h200.json [--quick]
+        [--kernels mxfp8,nvfp4] [--no-anchor-torch]
 
 For each kernel and shape: median time per call, bytes moved (each input read once, each output written
 once), GB/s, and that bandwidth as a percentage of the copy measured in the same process (XLA copy of a
@@ -64,6 +65,29 @@ def host_bits_equal(a_list, b_list) -> bool:
     return True
 
 
+def mismatch_detail(got, want, x, name, max_examples=4) -> list:
+    """Per output: how many elements differ and the first few (index, hex bits); for NVFP4 the input block too."""
+    out = []
+    xh = np.asarray(x).astype(np.float32) if name == "nvfp4" else None
+    for j, (a, b) in enumerate(zip(got, want)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            out.append({"output": j, "note": f"{a.shape} {a.dtype} vs {b.shape} {b.dtype}"})
+            continue
+        w = {1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+        bad = np.argwhere(a.view(w) != b.view(w))
+        rec = {"output": j, "differ": int(len(bad)), "n": int(a.size), "examples": []}
+        for idx in bad[:max_examples]:
+            e = {"index": idx.tolist(), "got": f"0x{int(a.view(w)[tuple(idx)]):x}", "want": f"0x{int(b.view(w)[tuple(idx)]):x}"}
+            if xh is not None and a.ndim == xh.ndim:  # packed bytes (col = byte) or block scales (col = block)
+                per_block = 8 if j == 0 else 1
+                blk = int(idx[-1]) // per_block
+                vals = xh[tuple(idx[:-1])][blk * 16:(blk + 1) * 16]
+                e["x_block_hex"] = [f"0x{int(v):08x}" for v in vals.view(np.uint32)]
+            rec["examples"].append(e)
+        out.append(rec)
+    return out
+
+
 def contract_on_cpu(fn, x):
     """The contract as XLA:CPU computes it (the backend its numpy statement is tested on)."""
     cpu = jax.devices("cpu")[0]
@@ -77,7 +101,7 @@ def random_input(shape, dtype, seed=0):
     return (x * jnp.exp2(jax.random.randint(jax.random.key(seed + 1), shape[:-1] + (1,), -8, 8)).astype(jnp.float32)).astype(dtype)
 
 
-def copy_anchor(size_bytes: int = 1 << 30) -> dict:
+def copy_anchor(size_bytes: int = 1 << 30, torch_anchor: bool = True) -> dict:
     x = jnp.ones((size_bytes // 4,), jnp.float32) * 1.5
     copy = jax.jit(lambda a: a.copy())
     scale = jax.jit(lambda a: a * 2.0)
@@ -85,6 +109,8 @@ def copy_anchor(size_bytes: int = 1 << 30) -> dict:
     for name, fn in (("xla_copy", copy), ("xla_elementwise_x2", scale)):
         t = time_call(fn, x)
         out[name] = {"bytes": 2 * size_bytes, "median_ms": t * 1e3, "GBps": 2 * size_bytes / t / 1e9}
+    if not torch_anchor:
+        return out
     try:
         import torch  # noqa: PLC0415
 
@@ -111,8 +137,11 @@ def copy_anchor(size_bytes: int = 1 << 30) -> dict:
     return out
 
 
-def cases(quick: bool):
-    """(kernel name, shape, input dtype, kernel fn, XLA fn, kernel configs to try)."""
+KERNELS = ("fp8_per_token_group", "mxfp8", "fp8_per_block", "nvfp4")
+
+
+def cases(quick: bool, kernels=KERNELS):
+    """(kernel name, shape, input dtype, kernel fn, XLA fn, kernel configs to try), only for `kernels`."""
     T = Q.TileConfig
     tok_cfgs = [T(), T(stages=4), T(rows=128, ctas_per_sm=1), T(division="div_rn"), T(division="divf")]
     tok_f32 = [T(), T(stages=4)]
@@ -138,6 +167,7 @@ def cases(quick: bool):
         ("nvfp4", (8192, 8192), f32, *nv, nv_cfgs[:2]),
         ("nvfp4", (4096, 4096), bf16, *nv, nv_cfgs[:1]),
     ]
+    out = [c for c in out if c[0] in kernels]
     if quick:
         out = [(n, s, d, k, x, c[:1]) for n, s, d, k, x, c in out[:2]]
     return out
@@ -147,14 +177,14 @@ def config_dict(cfg) -> dict:  # rows None = the kernel's default (8192 // group
     return {"rows": cfg.rows, "stages": cfg.stages, "ctas_per_sm": cfg.ctas_per_sm, "division": cfg.division}
 
 
-def run(out_path: Path, quick: bool) -> None:
+def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True) -> None:
     dev = jax.devices()[0]
-    anchor = copy_anchor()
+    anchor = copy_anchor(torch_anchor=torch_anchor)
     copy_gbps = anchor["xla_copy"]["GBps"]
     print(f"device {dev.device_kind}  jax {jax.__version__}  XLA copy {copy_gbps:.0f} GB/s "
           f"(torch copy {anchor.get('torch_copy', {}).get('GBps', float('nan')):.0f} GB/s)", flush=True)
     rows = []
-    for name, shape, dtype, kernel, xla, cfgs in cases(quick):
+    for name, shape, dtype, kernel, xla, cfgs in cases(quick, kernels):
         x = random_input(shape, dtype)
         ref = jax.block_until_ready(xla(x))
         contract = contract_on_cpu(xla, x)
@@ -173,11 +203,16 @@ def run(out_path: Path, quick: bool) -> None:
             fn = jax.jit(lambda a, cfg=cfg: kernel(a, cfg))
             try:
                 got = jax.block_until_ready(fn(x))
-                match = host_bits_equal(to_host(got), contract)
-                del got
+                got_host = to_host(got)
+                match = host_bits_equal(got_host, contract)
+                detail = None if match else mismatch_detail(got_host, contract, x, name)
+                del got, got_host
                 t = time_call(fn, x)
                 row = {**base, "impl": "pallas", "config": config_dict(cfg), "median_ms": t * 1e3,
                        "GBps": moved / t / 1e9, "pct_of_copy": 100 * moved / t / 1e9 / copy_gbps, "bitwise_vs_contract": match}
+                if detail is not None:
+                    row["mismatch"] = detail
+                    print(f"  MISMATCH {json.dumps(detail)[:1500]}", flush=True)
             except Exception as e:  # noqa: BLE001  (a failing config is recorded, the sweep goes on)
                 row = {**base, "impl": "pallas", "config": config_dict(cfg), "error": repr(e)[:500]}
             rows.append(row)
@@ -257,13 +292,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("experiments/benchmarks/results/quantize_h200.json"))
     ap.add_argument("--quick", action="store_true", help="two cases, one config each (smoke test)")
     ap.add_argument("--ptx-probe", type=Path, default=None, help="dump PTX to this folder and summarise it")
+    ap.add_argument("--kernels", default=",".join(KERNELS),
+                    help=f"comma list of kernels to benchmark (default all: {','.join(KERNELS)}); e.g. mxfp8,nvfp4")
+    ap.add_argument("--no-anchor-torch", action="store_true", help="skip the torch copy anchor (saves its start-up)")
     args = ap.parse_args()
+    kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+    unknown = sorted(set(kernels) - set(KERNELS))
+    if unknown:
+        raise SystemExit(f"--kernels: unknown {unknown}; choose from {', '.join(KERNELS)}")
     if args.ptx_probe is not None:
         ptx_probe(args.ptx_probe)
         return
     if jax.devices()[0].platform != "gpu":
         raise SystemExit("this benchmark needs a GPU (the kernels are Mosaic GPU); tests cover CPU interpret mode")
-    run(args.out, args.quick)
+    if args.out.suffix != ".json":  # a directory: write quantize_<device>.json in it
+        args.out = args.out / "quantize_h200.json"
+    run(args.out, args.quick, kernels, torch_anchor=not args.no_anchor_torch)
 
 
 if __name__ == "__main__":

@@ -195,6 +195,21 @@ def test_nvfp4_interpret(shape, in_dtype, global_amax):
     assert_same(packed, rp, "packed")
 
 
+def _bench_pattern(shape, seed):
+    """The benchmark's input: normals with one power of two per row, 2^-8 .. 2^7 (experiments/benchmarks/quantize.py)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32) * np.exp2(rng.integers(-8, 8, shape[:-1] + (1,))).astype(np.float32)
+    return jnp.asarray(x)
+
+
+def test_nvfp4_f32_saturating_many_tiles_interpret():
+    """The float32 benchmark case (given global amax 4.0: most block scales saturate), K = 8192, several tiles."""
+    x = _bench_pattern((64, 8192), 0)
+    for a, b, n in zip(Q.nvfp4(x, global_amax=4.0, interpret=True), P.quantize_nvfp4(x, global_amax=4.0),
+                       ("packed", "block scale", "global")):
+        assert_same(a, b, n)
+
+
 def test_nvfp4_edge_cases_interpret():
     x = edge_cases()
     packed, bs, g = Q.nvfp4(x, interpret=True)
@@ -327,3 +342,15 @@ def test_gpu_nvfp4(shape, in_dtype, per_expert):
     want = _cpu_reference(P.quantize_nvfp4, x, global_amax=gam)
     for a, b, n in zip(got, want, ("packed", "block scale", "global")):
         assert_same(a, b, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("division", ["markstein", "div_rn"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_gpu_nvfp4_f32_saturating_many_tiles(division, stages):
+    """The benchmark's failing float32 case at a quarter of its size: many tiles per CTA, saturated block scales."""
+    x = _bench_pattern((4096, 4096), 0)
+    got = Q.nvfp4(x, global_amax=4.0, config=Q.TileConfig(stages=stages, division=division))
+    want = _cpu_reference(P.quantize_nvfp4, x, global_amax=4.0)
+    for a, b, n in zip(got, want, ("packed", "block scale", "global")):
+        assert_same(a, b, f"{n} (division={division}, stages={stages})")

@@ -23,6 +23,44 @@ def ieee_div(a: jnp.ndarray, b) -> jnp.ndarray:
     return a / lax.optimization_barrier(b)
 
 
+_FP8_LAYOUT = {  # dtype name -> (exponent bits, mantissa bits, bias, has inf)
+    "float8_e4m3fn": (4, 3, 7, False),
+    "float8_e5m2": (5, 2, 15, True),
+}
+
+
+def fp8_to_f32(q: jnp.ndarray) -> jnp.ndarray:
+    """float32(q) for float8_e4m3fn / float8_e5m2 `q`, decoded from the bits (other dtypes: a plain cast).
+
+    Bit for bit what XLA:CPU's convert (and ml_dtypes) gives, NaN included (the quiet NaN 0x7FC00000 with
+    q's sign). Why not `q.astype(float32)`: XLA:GPU's SimplifyFPConversions pass (on while
+    `--xla_allow_excess_precision` is true, XLA's default) deletes a float32 -> fp8 -> float32 convert
+    chain, so inside one jit `x.astype(e4m3).astype(f32)` is `x` on the GPU: the NVFP4 block scale then
+    multiplied into d unrounded (541 575 bytes of a 4096x1024 tensor differed from the CPU) and every
+    quantize-dequantize round trip was a no-op. Integer ops and a bitcast are not converts, so no pass removes
+    the rounding; the result is exact (normal: exponent rebias; subnormal: m * 2^(1-bias-mbits)).
+    """
+    q = jnp.asarray(q)
+    layout = _FP8_LAYOUT.get(q.dtype.name)
+    if layout is None:
+        return q.astype(F32)
+    ebits, mbits, bias, has_inf = layout
+    u32 = jnp.uint32
+    b = lax.bitcast_convert_type(q, jnp.uint8).astype(u32)
+    sign = (b & u32(0x80)) << u32(24)
+    e = (b >> u32(mbits)) & u32((1 << ebits) - 1)
+    m = b & u32((1 << mbits) - 1)
+    normal = ((e + u32(127 - bias)) << u32(23)) | (m << u32(23 - mbits))
+    sub = lax.bitcast_convert_type(m.astype(F32) * F32(2.0 ** (1 - bias - mbits)), u32)  # exact, a normal f32
+    mag = jnp.where(e == 0, sub, normal)
+    top = e == u32((1 << ebits) - 1)
+    if has_inf:  # IEEE-like: exponent all ones is inf (m == 0) or NaN
+        mag = jnp.where(top, jnp.where(m == 0, u32(0x7F800000), u32(0x7FC00000)), mag)
+    else:  # "fn": no inf; only all-ones exponent and mantissa is NaN
+        mag = jnp.where(top & (m == u32((1 << mbits) - 1)), u32(0x7FC00000), mag)
+    return lax.bitcast_convert_type(mag | sign, F32)
+
+
 def ceil_pow2(s: jnp.ndarray) -> jnp.ndarray:
     """Smallest power of two >= s for positive normal float32 s, computed on the bits (exact, no log2)."""
     s = jnp.asarray(s, F32)

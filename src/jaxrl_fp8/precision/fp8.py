@@ -5,7 +5,8 @@ The rule (docs/decisions/0001-precision-contract.md), per group / block of value
     s     = amax / fmax                                  (IEEE float32 division; fmax 448 for E4M3)
     s     = 2^ceil(log2 s)                               (only with pow2_scale=True; exact, on the bits)
     q     = cast_rne(clamp(x / s, -fmax, fmax))          (IEEE division, then round-to-nearest-even)
-    x_hat = float32(q) * s                               (s is a dequantization multiplier, `weight_scale_inv`)
+    x_hat = float32(q) * s                               (s is a dequantization multiplier, `weight_scale_inv`;
+                                                          float32(q) decoded from the bits: arith.fp8_to_f32)
 Partial groups and blocks are zero-padded before the amax and cropped after, so padding never changes a scale.
 """
 
@@ -15,7 +16,7 @@ import math
 
 import jax.numpy as jnp
 
-from jaxrl_fp8.precision.arith import F32, block_amax, ceil_pow2, ieee_div
+from jaxrl_fp8.precision.arith import F32, block_amax, ceil_pow2, fp8_to_f32, ieee_div
 from jaxrl_fp8.precision.formats import AMAX_FLOOR, fp8_max
 
 __all__ = [
@@ -80,7 +81,7 @@ def dequantize_fp8_per_token_group(q, scale, group_size: int = 128, *, out_dtype
     """x_hat = float32(q) * s per group; inverse layout of `quantize_fp8_per_token_group`."""
     q = jnp.asarray(q)
     k = q.shape[-1]
-    qg = _pad_last(q.astype(F32), group_size).reshape(*q.shape[:-1], -1, group_size)
+    qg = _pad_last(fp8_to_f32(q), group_size).reshape(*q.shape[:-1], -1, group_size)
     if qg.shape[-2] != scale.shape[-1]:
         raise ValueError(f"scale has {scale.shape[-1]} groups but q needs {qg.shape[-2]} (K={k}, group={group_size})")
     x = (qg * jnp.asarray(scale, F32)[..., None]).reshape(*q.shape[:-1], -1)[..., :k]
@@ -112,7 +113,7 @@ def dequantize_fp8_per_block(q, scale_inv, block=(128, 128), *, out_dtype=jnp.fl
     q = jnp.asarray(q)
     bn, bk = block
     n, k = q.shape[-2:]
-    qp = _pad_last2(q.astype(F32), bn, bk)
+    qp = _pad_last2(fp8_to_f32(q), bn, bk)
     lead = q.shape[:-2]
     nb, kb = qp.shape[-2] // bn, qp.shape[-1] // bk
     if tuple(scale_inv.shape[-2:]) != (nb, kb):
@@ -131,7 +132,7 @@ def quantize_fp8_per_tensor(x, *, dtype=jnp.float8_e4m3fn, pow2_scale: bool = Fa
 
 
 def dequantize_fp8_per_tensor(q, scale, *, out_dtype=jnp.float32):
-    return (jnp.asarray(q).astype(F32) * jnp.asarray(scale, F32)).astype(out_dtype)
+    return (fp8_to_f32(q) * jnp.asarray(scale, F32)).astype(out_dtype)
 
 
 def quantize_fp8_per_channel(w, *, dtype=jnp.float8_e4m3fn, pow2_scale: bool = False):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxrl_fp8.precision.arith import F32, block_amax, finite_amax, ieee_div
+from jaxrl_fp8.precision.arith import F32, block_amax, finite_amax, fp8_to_f32, ieee_div
 from jaxrl_fp8.precision.formats import AMAX_FLOOR, E2M1_GRID, E4M3_MAX, NVFP4_BLOCK
 
 __all__ = [
@@ -74,7 +74,7 @@ def _expand_global(g, ndim: int):
 
 def _encode_blocks(xb, bamax, g, target):
     bs = jnp.minimum(ieee_div(ieee_div(bamax, target), g), E4M3_MAX).astype(jnp.float8_e4m3fn)
-    d = bs.astype(F32) * g
+    d = fp8_to_f32(bs) * g  # not bs.astype(F32): XLA:GPU would drop the f32 -> e4m3 -> f32 rounding (arith.fp8_to_f32)
     ok = d > 0
     y = ieee_div(xb, jnp.where(ok, d, 1.0)[..., None])
     y = jnp.where(ok[..., None], jnp.clip(y, -6.0, 6.0), 0.0)
@@ -117,7 +117,7 @@ def quantize_nvfp4(x, *, global_amax=None, four_over_six: bool = False):
 def dequantize_nvfp4(packed, block_scale, global_scale, *, k: int | None = None, out_dtype=jnp.float32):
     codes = unpack_nibbles(packed)
     vals = e2m1_values(codes).reshape(*codes.shape[:-1], -1, NVFP4_BLOCK)
-    bs = jnp.asarray(block_scale).astype(F32)
+    bs = fp8_to_f32(jnp.asarray(block_scale))
     d = bs * _expand_global(jnp.asarray(global_scale, F32), bs.ndim)
     x = (vals * d[..., None]).reshape(*codes.shape[:-1], -1)
     if k is not None:
