@@ -180,11 +180,14 @@ def save_exported(
     overwrite: bool = False,
     side_files_from: str | None = None,
     high_precision_dtype=jnp.bfloat16,
+    write: bool = True,
 ) -> list[str]:
     """Write `params` as a quantized HF checkpoint SGLang loads (config.json from `hf_config`, index, shards).
 
     Shards are the export buckets of `shard_bytes`. `side_files_from` copies tokenizer / generation files.
     Written in a temp dir and renamed into place; returns the shard paths.
+    write=False (multi-host: every process but the writer) runs the same export, tensor by tensor (so the
+    gathers of sharded parameters, which are collectives, happen on every process), and writes nothing.
     """
     spec = spec_of(recipe_or_fmt)
     if policy.fmt != spec.fmt:
@@ -198,6 +201,10 @@ def save_exported(
         config["quantization_config"] = quantization_config(spec, excluded)
     else:
         config.pop("quantization_config", None)
+    if not write:
+        for _ in export_weights(params, spec, policy, bucket_bytes=shard_bytes, high_precision_dtype=high_precision_dtype):
+            pass
+        return []
     parent = os.path.dirname(os.path.abspath(save_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(save_dir))}.tmp-{uuid.uuid4().hex}")

@@ -79,6 +79,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = 8
     c.rollout.routing_replay = True  # R3: replay rollout expert selection in the trainer
     c.rollout.max_batch = 256
+    # embedded engine with more than one device: "separate" = on one device of its own (sharded weights are
+    # copied there); "collocated" = on the training mesh with the trainer's sharded weights (docs/decisions/0009)
+    c.rollout.placement = "separate"
 
     c.rl = ml_collections.ConfigDict()
     c.rl.advantage = "grpo"  # grpo | rloo | reinforce
@@ -156,6 +159,10 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     if r.engine == "sglang":
         _check(len(r.sglang_urls) > 0, "rollout.sglang_urls", "engine=sglang needs at least one server URL")
         _check(bool(r.weight_sync_dir), "rollout.weight_sync_dir", "engine=sglang needs a shared directory for weight updates")
+    placement = r.get("placement", "separate")
+    _check(placement in ("separate", "collocated"), "rollout.placement", f"{placement!r}: separate | collocated")
+    _check(placement == "separate" or r.engine == "embedded", "rollout.placement",
+           f"'collocated' runs the embedded engine on the training mesh; engine={r.engine!r} serves elsewhere (use 'separate')")
     _check(r.n_samples >= 2 or c.rl.advantage == "reinforce", "rollout.n_samples", "group advantages need >= 2 samples per prompt")
     _check(r.temperature > 0, "rollout.temperature", "must be > 0")
     _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")

@@ -18,7 +18,8 @@ import jax
 import ml_collections
 
 __all__ = ["DistributedConfig", "config_defaults", "initialize", "is_initialized", "allgather_json", "gather_process_states",
-           "own_process_state", "ENV_ADDRESS", "ENV_NUM", "ENV_ID"]
+           "own_process_state", "global_count", "allgather_rows", "local_rows", "is_writer", "barrier", "ENV_ADDRESS",
+           "ENV_NUM", "ENV_ID"]
 
 ENV_ADDRESS = "JAXRL_COORDINATOR_ADDRESS"
 ENV_NUM = "JAXRL_NUM_PROCESSES"
@@ -147,3 +148,56 @@ def own_process_state(states: dict):
         raise ValueError(f"checkpoint metadata has data-iterator states for processes {sorted(states)}, not for process "
                          f"{key}: resume with the same number of processes ({jax.process_count()} now)")
     return states[key]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Multi-host pieces of the training step and of file writes (each is the identity / a no-op on one process)
+
+
+def global_count(n) -> int:
+    """Sum over processes of a per-process integer (e.g. a minibatch's response tokens); a collective."""
+    if jax.process_count() == 1:
+        return int(n)
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(np.asarray(multihost_utils.process_allgather(np.int32(n))).astype(np.int64).sum())
+
+
+def allgather_rows(x):
+    """Every process's rows of a per-process numpy array, concatenated in process order (a collective)."""
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
+
+
+def local_rows(x):
+    """This process's rows of a global array split by rows (the inverse of `ShardingPlan.put_batch(...,
+    process_local=True)`): its addressable row blocks in global order, replicas counted once."""
+    import numpy as np
+
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    if x.ndim == 0:
+        return np.asarray(x.addressable_data(0))
+    blocks = {}
+    for shard in x.addressable_shards:
+        blocks.setdefault(shard.index[0].start or 0, shard.data)
+    return np.concatenate([np.asarray(blocks[k]) for k in sorted(blocks)], axis=0)
+
+
+def is_writer() -> bool:
+    """Whether this process writes shared files (exports, plots, metrics, config): process 0 only."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """All processes wait here (no-op on one process), e.g. until process 0 has renamed a file into place."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

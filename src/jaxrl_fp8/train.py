@@ -76,13 +76,18 @@ def _policies(c, recipe, model_cfg):
     return train, train.with_format(recipe.rollout_format)
 
 
-def _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer):
+def _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer, plan=None):
     """The rollout engine and the function that pushes new weights (version v+1) to it."""
     if c.rollout.engine == "embedded":
         from jaxrl_fp8.rollout.embedded import EmbeddedEngine
 
+        placement = None
+        if c.rollout.get("placement", "separate") == "collocated" and plan is not None and plan.mesh.size > 1:
+            from jaxrl_fp8.sharding import CollocatedPlacement
+
+            placement = CollocatedPlacement(plan, moe=model.cfg.is_moe)  # the trainer's mesh and sharded weights
         engine = EmbeddedEngine(model, recipe=recipe, policy=train_policy, max_batch=c.rollout.max_batch, max_seq_len=seq_len,
-                                eos_token_ids=tuple(tokenizer.stop_ids), seed=c.seed)
+                                eos_token_ids=tuple(tokenizer.stop_ids), seed=c.seed, placement=placement)
         return engine, engine.update_params
     from jaxrl_fp8.rollout.sglang_engine import SGLangFleetEngine
 
@@ -117,9 +122,11 @@ def run(c) -> str:
     recipe.validate_for(hardware)
     workdir = os.path.abspath(c.workdir)
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
-        f.write(c.to_json_best_effort(indent=2))
-    os.replace(os.path.join(workdir, "config.json.tmp"), os.path.join(workdir, "config.json"))
+    if distributed.is_writer():  # one writer of shared files (process 0), temp file renamed into place
+        tmp = os.path.join(workdir, f".config.json.tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(c.to_json_best_effort(indent=2))
+        os.replace(tmp, os.path.join(workdir, "config.json"))
 
     train_records, eval_records, tokenizer = _records_and_tokenizer(c)
     reward_fn = get_reward_fn(c.data.reward)
@@ -129,7 +136,15 @@ def run(c) -> str:
     model = _model(c, tokenizer.vocab_size)
     train_policy, rollout_policy = _policies(c, recipe, model.cfg)
     seq_len = c.data.max_prompt_tokens + c.rollout.max_new_tokens
-    engine, push = _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer)
+    plan = None
+    if jax.device_count() > 1:
+        from flax import nnx
+
+        from jaxrl_fp8.sharding import ShardingPlan, make_mesh
+
+        plan = ShardingPlan(make_mesh(c.mesh))
+        plan.validate(nnx.state(model, nnx.Param), train_policy)  # no FP8 block split across devices
+    engine, push = _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer, plan)
     loss_cfg = PolicyLossConfig(eps_clip=c.rl.eps_clip, eps_clip_high=c.rl.eps_clip_high, dual_clip_c=c.rl.dual_clip_c or None,
                                 use_tis=c.rl.use_tis, tis_clip=c.rl.tis_clip, tis_clip_low=c.rl.tis_clip_low, kl_coef=c.rl.kl_coef,
                                 kl_type=c.rl.kl_type, entropy_coef=c.rl.entropy_coef, loss_agg=c.rl.loss_agg)
@@ -140,14 +155,6 @@ def run(c) -> str:
         num_minibatches=c.rl.num_minibatches, loss=loss_cfg, backward=recipe.backward,
         compute_dtype=jnp.bfloat16 if c.model.dtype == "bfloat16" else jnp.float32, seed=c.seed,
         eval_every_steps=c.logging.eval_every_steps, use_ref=c.rl.kl_coef > 0)
-    plan = None
-    if jax.device_count() > 1:
-        from flax import nnx
-
-        from jaxrl_fp8.sharding import ShardingPlan, make_mesh
-
-        plan = ShardingPlan(make_mesh(c.mesh))
-        plan.validate(nnx.state(model, nnx.Param), train_policy)  # no FP8 block split across devices
     optimizer, schedule = make_optimizer(c.rl, c.total_steps * c.rl.num_minibatches)
     trainer = Trainer(model=model, settings=settings, optimizer=optimizer, schedule=schedule, engine=engine,
                       tokenizer=tokenizer, loader=loader, reward_fn=reward_fn, train_policy=train_policy,
@@ -182,13 +189,12 @@ def run(c) -> str:
     bar.close()
     ckpt.close()
     writer.close()
-    if jax.process_index() == 0:
-        if c.logging.plot_at_end:
-            from jaxrl_fp8.plot import plot_workdir
+    if c.logging.plot_at_end and distributed.is_writer():
+        from jaxrl_fp8.plot import plot_workdir
 
-            plot_workdir(workdir)
-        if c.checkpoint.export_final_hf:
-            _export_final(trainer, model, recipe, rollout_policy, tokenizer, workdir)
+        plot_workdir(workdir)
+    if c.checkpoint.export_final_hf:  # every process: it gathers the sharded masters; process 0 writes
+        _export_final(trainer, model, recipe, rollout_policy, tokenizer, workdir)
     return workdir
 
 
@@ -210,22 +216,36 @@ def _evaluate(trainer, records, tokenizer, reward_fn, loader_cfg) -> float:
 
 def _export_final(trainer, model, recipe, rollout_policy, tokenizer, workdir) -> None:
     """HF safetensors of the final masters in BF16 and, if the rollout format is quantized, in that format
-    (through converters.export: the same quantization step as the CLI converters and the live weight push)."""
+    (through converters.export: the same quantization step as the CLI converters and the live weight push).
+
+    Every process must call it: the masters may be sharded over the mesh (and over processes), so each tensor
+    is gathered on its own (`sharding.export.gathered_params`, a collective) while the converter walks them;
+    only process 0 writes, each directory built in a temp dir and renamed into place (converters.export).
+    """
+    import tempfile
+
     from converters.export import save_exported
-    from flax import nnx
 
-    from jaxrl_fp8.model import Policy
+    from jaxrl_fp8 import distributed
     from jaxrl_fp8.model.config import to_hf_config
+    from jaxrl_fp8.sharding.export import gathered_params
 
+    writer = distributed.is_writer()
     export_dir = os.path.join(workdir, "export")
-    os.makedirs(export_dir, exist_ok=True)
-    final = nnx.merge(trainer.graphdef, trainer.params)
+    if writer:
+        os.makedirs(export_dir, exist_ok=True)
+    params = gathered_params(trainer.params)  # lazy: one tensor (or one expert) on the host at a time
+    hf_config = to_hf_config(trainer.cfg, dtype="bfloat16")
     bf16_dir = os.path.join(export_dir, "hf_bf16")
-    Policy(final).save_pretrained(bf16_dir, dtype="bfloat16")
-    tokenizer.save(bf16_dir)
+    with tempfile.TemporaryDirectory() as side:  # tokenizer files travel inside the atomic directory rename
+        if writer:
+            tokenizer.save(side)
+        save_exported(params, "bf16", rollout_policy, bf16_dir, hf_config=hf_config, overwrite=True,
+                      side_files_from=side if writer else None, write=writer)
     if recipe.rollout_format != "bf16":
-        save_exported(final, recipe, rollout_policy, os.path.join(export_dir, f"hf_{recipe.rollout_format}"),
-                      hf_config=to_hf_config(final.cfg, dtype="bfloat16"), overwrite=True, side_files_from=bf16_dir)
+        save_exported(params, recipe, rollout_policy, os.path.join(export_dir, f"hf_{recipe.rollout_format}"),
+                      hf_config=hf_config, overwrite=True, side_files_from=bf16_dir if writer else None, write=writer)
+    distributed.barrier("export_final")  # nobody moves on before process 0 renamed the directories into place
 
 
 def main(argv):

@@ -116,3 +116,37 @@ def test_lazy_param_gathers_one_expert_and_whole_tensors():
     np.testing.assert_array_equal(p[1], w[1])
     np.testing.assert_array_equal(np.asarray(p), w)
     np.testing.assert_array_equal(np.asarray(jnp.asarray(p)), w)
+
+
+def test_rollout_placement_is_validated_by_key():
+    from jaxrl_fp8.config import ConfigError, base_config, validate_config
+
+    c = base_config()
+    c.workdir = "/tmp/unused"
+    c.rollout.placement = "nearby"
+    with pytest.raises(ConfigError, match=r"config.rollout.placement: 'nearby': separate \| collocated"):
+        validate_config(c)
+    c.rollout.placement = "collocated"
+    c.rollout.engine = "sglang"
+    c.rollout.sglang_urls = ("http://localhost:1",)
+    c.rollout.weight_sync_dir = "/tmp/unused"
+    with pytest.raises(ConfigError, match=r"config.rollout.placement: 'collocated' runs the embedded engine"):
+        validate_config(c)
+
+
+def test_rollout_operands_are_split_on_whole_blocks_only():
+    import jax.numpy as jnp
+
+    from jaxrl_fp8.precision import QuantizedWeight
+    from jaxrl_fp8.sharding import block_safe_spec
+
+    sizes = dict(data=1, fsdp=2, expert=4, tensor=1)
+    stack = QuantizedWeight(jnp.zeros((8, 256, 128), jnp.float8_e4m3fn), jnp.ones((8, 2, 1)), None, "fp8-block", 128)
+    notes = []
+    # experts split freely; K=128 over fsdp=2 would leave 64 columns of a 128x128 block per device
+    assert block_safe_spec("s", P("expert", None, "fsdp"), stack, sizes, notes) == P("expert", None, None)
+    assert notes == ["rollout s dim 2 (size 128) not split over fsdp: it would cut a 128-wide FP8 block"]
+    dense = QuantizedWeight(jnp.zeros((512, 1024), jnp.float8_e4m3fn), jnp.ones((4, 8)), None, "fp8-block", 1024)
+    # K=1024 over fsdp x expert = 8 gives 128 columns: kept; over 16 it would not be
+    assert block_safe_spec("d", P(None, ("fsdp", "expert")), dense, sizes) == P(None, ("fsdp", "expert"))
+    assert block_safe_spec("d", P(None, ("fsdp", "expert")), dense, dict(sizes, expert=8)) == P(None, "fsdp")

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxrl_fp8 import distributed
 from jaxrl_fp8.rl import advantages as adv_lib
 from jaxrl_fp8.rl.batch import TrainBatch, build_batch
 from jaxrl_fp8.rl.losses import PolicyLossConfig, entropy_from_logits, policy_loss
@@ -139,7 +140,7 @@ class Trainer:
     def _apply_update(self, mb, num_tokens):
         if self.plan is None:
             return self._update_jit(self.params, self.opt_state, mb, num_tokens)
-        mb = self.plan.put_batch(mb, process_local=False)
+        mb = self.plan.put_batch(mb, process_local=jax.process_count() > 1)  # multi-host: each process its rows
         num_tokens = jax.device_put(jnp.float32(num_tokens), self.plan.replicated())
         if self._sharded_update is None:
             self._sharded_update = self.plan.jit_train_step(self._update, self.params, self.opt_state, mb)
@@ -179,25 +180,34 @@ class Trainer:
         tb: TrainBatch = build_batch(samples, rewards, self.s.seq_len, self.tokenizer.pad_id, num_layers=self.cfg.num_hidden_layers,
                                      top_k=max(self.cfg.num_experts_per_tok, 1), with_routing=self.s.routing_replay)
         adv = self.advantages(tb.rewards)
-        tokens = jnp.asarray(tb.tokens)
-        routed = jnp.asarray(tb.routed_experts) if tb.routed_experts is not None else None
+        # Multi-host: each process holds its own samples; the global batch is their concatenation in process
+        # order (old log-probs and mismatch metrics are computed over it), while minibatches are cut from each
+        # process's own rows with the same permutation, so minibatch m = every process's local minibatch m.
+        multi = jax.process_count() > 1
+        put = (lambda x: jnp.asarray(x)) if not multi else (lambda x: self.plan.put_batch({"x": x}, process_local=True)["x"])
+        tokens = put(tb.tokens)
+        routed = put(tb.routed_experts) if tb.routed_experts is not None else None
         old_logp = self._logprob_jit(self.params, tokens, routed)
-        mask = jnp.asarray(tb.response_mask)
-        rollout_logp = jnp.asarray(tb.rollout_logp)
-        mm = mismatch_metrics(old_logp, rollout_logp, mask, self.s.loss.tis_clip_low, self.s.loss.tis_clip)
+        mask = put(tb.response_mask)
+        rollout_logp = put(tb.rollout_logp)
+        mm_fn = mismatch_metrics if not multi else jax.jit(mismatch_metrics, static_argnums=(3, 4), out_shardings=self.plan.replicated())
+        mm = mm_fn(old_logp, rollout_logp, mask, self.s.loss.tis_clip_low, self.s.loss.tis_clip)
         data = {"tokens": tokens, "old_logp": old_logp, "rollout_logp": rollout_logp, "mask": mask, "advantages": jnp.asarray(adv)}
         if routed is not None:
             data["routed"] = routed
         if self.ref_params is not None:
             data["ref_logp"] = self._logprob_jit(self.ref_params, tokens, routed)
+        if multi:
+            data = {k: distributed.local_rows(v) for k, v in data.items()}
         per_mb = len(samples) // self.s.num_minibatches
         order = np.random.default_rng(self.s.seed + step).permutation(len(samples))
         mb_metrics = []
         for m in range(self.s.num_minibatches):
             idx = order[m * per_mb : (m + 1) * per_mb]
             mb = {k: v[idx] for k, v in data.items()}
-            # every minibatch normalises by its own token count so the step size does not depend on the split
-            nt = jnp.float32(max(float(tb.response_mask[idx].sum()), 1.0))
+            # every minibatch normalises by its own token count so the step size does not depend on the split;
+            # the count is global (all processes' rows of minibatch m), as the loss sums over the global batch
+            nt = jnp.float32(max(float(distributed.global_count(tb.response_mask[idx].sum())), 1.0))
             self.params, self.opt_state, met = self._apply_update(mb, nt)
             mb_metrics.append(jax.device_get(met))
         skipped = sum(1 for m in mb_metrics if m["finite"] < 1)
@@ -210,15 +220,16 @@ class Trainer:
         t_sync = time.perf_counter() - t2
 
         avg = {k: float(np.mean([m[k] for m in mb_metrics])) for k in mb_metrics[0] if k != "finite"}
-        n_tokens = int(tb.response_lengths.sum())
+        all_rewards, lengths, truncated = (distributed.allgather_rows(x) for x in (tb.rewards, tb.response_lengths, tb.truncated))
+        n_tokens = int(lengths.sum())
         total = time.perf_counter() - t0
         metrics = {
             **avg,
             **{k: float(v) for k, v in mm.items()},
-            "reward_mean": float(tb.rewards.mean()),
-            "reward_std": float(tb.rewards.std()),
-            "response_length": float(tb.response_lengths.mean()),
-            "truncated_frac": float(tb.truncated.mean()),
+            "reward_mean": float(all_rewards.mean()),
+            "reward_std": float(all_rewards.std()),
+            "response_length": float(lengths.mean()),
+            "truncated_frac": float(truncated.mean()),
             "tis_mean": avg.get("tis", float("nan")),
             "learning_rate": float(self.schedule(max(self.step * self.s.num_minibatches - 1, 0))),
             "skipped_updates": float(skipped),

@@ -19,6 +19,10 @@ padded to bucketed shapes (rows, prompt length, cache length: powers of two) so 
 prefilled in one call and decoded with a fixed-shape step until every row stopped. The decode loop is a
 `lax.while_loop` inside the same jit ("while", default) or a jitted step driven from Python ("python").
 Weight versions are swapped atomically between `generate` calls (a lock), never inside one.
+
+Placement (`config.rollout.placement`): by default the engine computes on one device (weights of a sharded
+trainer are copied there); with a `sharding.CollocatedPlacement` it runs on the training mesh with the trainer's
+sharded weights, taken by reference (see `sharding/rollout.py`).
 """
 
 from __future__ import annotations
@@ -183,15 +187,31 @@ def _draw(logits, rows: _Rows, t, done, count, tokens, logprobs):
     return done, count, tokens, logprobs
 
 
-def _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows: _Rows, cache_len, max_new, dtype):
+def _on_mesh(placement, state, *row_arrays):
+    """Collocated placement: weights in the compute layout, row arrays split over the batch axes (jit only)."""
+    if placement is None:
+        return state, row_arrays
+    return placement.constrain_weights(state), tuple(jax.tree.map(placement.constrain_rows, a) for a in row_arrays)
+
+
+def _moe_impl(placement):
+    return None if placement is None else placement.moe_impl
+
+
+def _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows: _Rows, cache_len, max_new, dtype, placement=None):
     """Right-padded prompts [B, P] into a fresh cache, then draw response token 0.
 
     Returns (carry for the decode loop, routed experts of the prompt positions [B, P, layers, k]).
+    placement: None (the arrays' own devices) or a `sharding.CollocatedPlacement` (the training mesh).
     """
+    state, (prompt_ids, prompt_lens, rows) = _on_mesh(placement, state, prompt_ids, prompt_lens, rows)
     model = nnx.merge(graphdef, state)
     b = prompt_ids.shape[0]
     cfg = model.cfg
-    out = model(prompt_ids, cache=init_cache(cfg, b, cache_len, dtype), policy=precision)
+    cache = init_cache(cfg, b, cache_len, dtype)
+    if placement is not None:
+        cache = placement.constrain_cache(cache)
+    out = model(prompt_ids, cache=cache, policy=precision, moe_impl=_moe_impl(placement))
     cache = KVCache(out.cache.k, out.cache.v, prompt_lens)
     last = jnp.take_along_axis(out.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     k = out.routed_experts.shape[-1]
@@ -204,33 +224,48 @@ def _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows: _Rows, c
     return carry, out.routed_experts
 
 
-def _decode_step(model, precision, rows: _Rows, c: _Carry) -> _Carry:
+def _decode_step(model, precision, rows: _Rows, c: _Carry, placement=None) -> _Carry:
     """Feed response token t-1 of every row, draw token t."""
     feed = c.tokens[:, c.t - 1]
-    out = model(feed[:, None], cache=c.cache, policy=precision)
+    out = model(feed[:, None], cache=c.cache, policy=precision, moe_impl=_moe_impl(placement))
     routed = c.routed.at[:, c.t - 1].set(out.routed_experts[:, 0])
     done, count, tokens, logprobs = _draw(out.logits[:, 0], rows, c.t, c.done, c.count, c.tokens, c.logprobs)
-    return _Carry(c.t + 1, out.cache, tokens, logprobs, routed, done, count)
+    cache = out.cache if placement is None else placement.constrain_cache(out.cache)
+    return _Carry(c.t + 1, cache, tokens, logprobs, routed, done, count)
 
 
 def _running(c: _Carry) -> jax.Array:
     return (c.t < c.tokens.shape[1]) & ~jnp.all(c.done)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "cache_len", "max_new", "dtype"))
-def _generate_while(graphdef, state, prompt_ids, prompt_lens, rows, *, precision, cache_len, max_new, dtype):
-    carry, prompt_routed = _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows, cache_len, max_new, dtype)
+@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "cache_len", "max_new", "dtype", "placement"))
+def _generate_while(graphdef, state, prompt_ids, prompt_lens, rows, *, precision, cache_len, max_new, dtype, placement=None):
+    state, (rows,) = _on_mesh(placement, state, rows)  # gathered once per call, used by prefill and every step
+    carry, prompt_routed = _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows, cache_len, max_new, dtype,
+                                    placement)
     model = nnx.merge(graphdef, state)
-    carry = lax.while_loop(_running, lambda c: _decode_step(model, precision, rows, c), carry)
+    carry = lax.while_loop(_running, lambda c: _decode_step(model, precision, rows, c, placement), carry)
     return carry, prompt_routed
 
 
-_prefill_jit = jax.jit(_prefill, static_argnums=(0, 2, 6, 7, 8))
+_prefill_jit = jax.jit(_prefill, static_argnums=(0, 2, 6, 7, 8, 9))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "precision"), donate_argnames=("carry",))
-def _decode_jit(graphdef, state, rows, carry, *, precision):
-    return _decode_step(nnx.merge(graphdef, state), precision, rows, carry)
+@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "placement"), donate_argnames=("carry",))
+def _decode_jit(graphdef, state, rows, carry, *, precision, placement=None):
+    state, (rows,) = _on_mesh(placement, state, rows)
+    return _decode_step(nnx.merge(graphdef, state), precision, rows, carry, placement)
+
+
+def _on_one_device(model: Qwen3) -> Qwen3:
+    """Separate placement: weights spread over several devices (a sharded trainer's) are copied to one device
+    first, so the engine's programs run unsharded there (device to device; no host round trip)."""
+    graphdef, state = nnx.split(model)
+    leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+    if all(len(x.sharding.device_set) == 1 for x in leaves):
+        return model
+    device = jax.local_devices()[0]
+    return nnx.merge(graphdef, jax.device_put(state, device))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -259,6 +294,9 @@ class EmbeddedEngine:
     recipe: the precision recipe; the engine computes in `recipe.rollout_format`. None: the parameters' dtype.
     policy: the training-side `PrecisionPolicy` (per-layer exceptions); its rollout twin is
         `policy.with_format(recipe.rollout_format)`. Default: from the Policy, else the recipe's plain policy.
+    placement: None ("separate": the engine computes on one device; sharded weights it is handed are copied
+        there) or a `sharding.CollocatedPlacement` ("collocated": on the training mesh with the trainer's
+        sharded weights, expert-parallel MoE, rows split over the batch axes; see sharding/rollout.py).
     """
 
     def __init__(
@@ -277,6 +315,7 @@ class EmbeddedEngine:
         model_path: str = "",
         weight_version: str = "0",
         engine_config: EngineConfig | None = None,
+        placement=None,
     ):
         self.config = engine_config or EngineConfig(
             max_batch=max_batch, max_seq_len=max_seq_len, eos_token_ids=tuple(eos_token_ids),
@@ -284,6 +323,7 @@ class EmbeddedEngine:
         )
         model, recipe, policy = self._resolve_model(model_or_params, config, recipe, policy)
         self.model_config: ModelConfig = model.cfg
+        self.placement = placement
         if recipe is not None:
             try:
                 hardware = detect_hardware()
@@ -329,9 +369,22 @@ class EmbeddedEngine:
                 "new weights have a different model config than the engine was built with "
                 f"(engine: {self.model_config}, new: {model.cfg}); start a new engine for another architecture"
             )
-        graphdef, state = prepare_rollout_params(model, self.precision)
+        if self.placement is not None:  # on the training mesh: by reference, quantized in one sharded program
+            graphdef, state = nnx.split(model)
+            state = self.placement.prepare(graphdef, state, self._prepare_state)
+        else:
+            graphdef, state = prepare_rollout_params(_on_one_device(model), self.precision)
         jax.block_until_ready(state)
         return _Weights(graphdef, state, version, model.dtype)
+
+    @functools.cached_property
+    def _prepare_state(self):
+        precision = self.precision
+
+        def prepare(graphdef, state):
+            return prepare_rollout_params(nnx.merge(graphdef, state), precision)[1]
+
+        return prepare
 
     def _swap(self, weights: _Weights) -> None:
         with self._lock:  # waits for a running generate: a sample never mixes two versions
@@ -389,6 +442,8 @@ class EmbeddedEngine:
             tp = loader.trainer_path(path)
             items.append((path, var.replace(new_values[tp]) if tp in new_values else var))
         state = nnx.from_flat_state(items)
+        if self.placement is not None:  # host buckets -> the mesh layout of the other rollout operands
+            state = jax.device_put(state, self.placement.weight_shardings(state))
         jax.block_until_ready(state)
         self._swap(_Weights(current.graphdef, state, str(weight_version), current.dtype))
 
@@ -560,6 +615,8 @@ class EmbeddedEngine:
             p_b = _bucket(max(plen), cfg.min_prompt_bucket)
             s_b = _bucket(max(len(r.prompt) + r.params.max_new_tokens for r in chunk), cfg.min_cache_bucket)
             n_b = _bucket(max(max_new, 1), 1)
+        if self.placement is not None:  # >= 2 rows on every device of the batch axes (padding rows are done)
+            b = self.placement.rows_for(b)
         stops = [self._stop_ids(r.params) for r in chunk]
         m = max(1, max(len(s) for s in stops))
 
@@ -580,20 +637,22 @@ class EmbeddedEngine:
             seeds[i] = r.seed
             mnew[i] = r.params.max_new_tokens
             stop_ids[i, : len(stops[i])] = stops[i]
-        rows = _Rows(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(seeds), jnp.asarray(mnew), jnp.asarray(stop_ids))
+        put = jnp.asarray if self.placement is None else self.placement.put_rows
+        rows = _Rows(put(temp), put(top_k), put(top_p), put(seeds), put(mnew), put(stop_ids))
+        place = self.placement
         if cfg.decode_loop == "while":
             carry, prompt_routed = _generate_while(
-                weights.graphdef, weights.state, jnp.asarray(ids), jnp.asarray(lens), rows,
-                precision=self.precision, cache_len=s_b, max_new=n_b, dtype=weights.dtype,
+                weights.graphdef, weights.state, put(ids), put(lens), rows,
+                precision=self.precision, cache_len=s_b, max_new=n_b, dtype=weights.dtype, placement=place,
             )
         else:
             carry, prompt_routed = _prefill_jit(
-                weights.graphdef, weights.state, self.precision, jnp.asarray(ids), jnp.asarray(lens), rows, s_b, n_b, weights.dtype
+                weights.graphdef, weights.state, self.precision, put(ids), put(lens), rows, s_b, n_b, weights.dtype, place
             )
             for _ in range(1, max_new):
                 if bool(jnp.all(carry.done)):
                     break
-                carry = _decode_jit(weights.graphdef, weights.state, rows, carry, precision=self.precision)
+                carry = _decode_jit(weights.graphdef, weights.state, rows, carry, precision=self.precision, placement=place)
         tokens, logprobs, count = np.asarray(carry.tokens), np.asarray(carry.logprobs), np.asarray(carry.count)
         routed = np.asarray(carry.routed) if want_routed else None
         p_routed = np.asarray(prompt_routed) if want_routed else None

@@ -7,17 +7,21 @@ from jaxrl_fp8.sharding.blocks import BlockSplitError, check_split, validate_qua
 from jaxrl_fp8.sharding.expert import expert_parallel_moe, make_moe_impl
 from jaxrl_fp8.sharding.mesh import BATCH_AXES, MESH_AXES, MeshConfig, MeshError, make_mesh, mesh_config_defaults
 from jaxrl_fp8.sharding.plan import ShardingPlan, per_device_bytes
+from jaxrl_fp8.sharding.rollout import PLACEMENTS, CollocatedPlacement, block_safe_spec
 from jaxrl_fp8.sharding.rules import DEFAULT_RULES, PartitionRules
 
 __all__ = [
     "BATCH_AXES",
     "BlockSplitError",
+    "CollocatedPlacement",
     "DEFAULT_RULES",
     "MESH_AXES",
     "MeshConfig",
     "MeshError",
+    "PLACEMENTS",
     "PartitionRules",
     "ShardingPlan",
+    "block_safe_spec",
     "check_split",
     "expert_parallel_moe",
     "make_mesh",
