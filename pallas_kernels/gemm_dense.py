@@ -54,12 +54,16 @@ class GemmConfig:
 
 
 def default_config(n: int, k: int, b_rows_per_scale: int = BLOCK_K) -> GemmConfig:
-    """Tiles chosen from N, K and the scale layout only (never M): every row's arithmetic is independent
-    of the batch. Two K blocks per step where K allows."""
+    """Tiles chosen from the weight shape only, never from M (measured on the H200, NOTES_gemm.md).
+
+    Shallow K (fewer than 16 blocks, e.g. the MoE down projection, K = 768) keeps one K block per step and four
+    stages; deeper K takes two blocks per step (two stages: three would need 235 KB of shared memory with the
+    BF16 epilogue, the limit is 227 KB). Neither choice changes any row's arithmetic: the K blocks are promoted
+    in the same order either way, so the choice may differ between shapes without breaking row invariance.
+    """
     del n, b_rows_per_scale
-    if k % (2 * BLOCK_K):
-        return GemmConfig()
-    # Two stages of 2 x 128 K: 3 would need 235 KB of shared memory with the BF16 epilogue (limit 227 KB).
+    if k // BLOCK_K < 16 or k % (2 * BLOCK_K):
+        return GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
     return GemmConfig(max_concurrent_steps=2, k_blocks_per_step=2)
 
 

@@ -200,6 +200,41 @@ def main(argv=None) -> int:
           f"{counts['active_per_token'] / 1e9:.3f}B active per token", flush=True)
     bw_copy = copy_bandwidth(args.copy_mib)
     print(f"copy bandwidth {bw_copy / 1e12:.3f} TB/s", flush=True)
+    path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                    f"decode_{'cpu_tiny' if args.tiny else dev.platform}.json")
+
+    def write(complete: bool):
+        """Rewritten after every point (temp file + rename), so a run cut short keeps what it measured."""
+        out = {
+            "benchmark": "embedded engine decode throughput",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count()},
+            "software": {"jax": jax.__version__, "python": platform.python_version()},
+            "tiny": args.tiny,
+            "model": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                   "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
+                                                   "num_experts_per_tok", "attention_impl")},
+            "params": counts,
+            "prompt_len": args.prompt_len,
+            "gen_len": args.gen_len,
+            "sampling": "temperature 1, no top-k/top-p, ignore_eos, routed experts returned",
+            "decode_loop": args.decode_loop,
+            "bandwidth": {"hbm_spec_Bps": HBM_SPEC_BPS, "copy_measured_Bps": bw_copy, "copy_mib": args.copy_mib},
+            "notes": [
+                "decode_tokens_per_s = batch*(gen_len-1) / (t(generate gen_len) - t(generate 1 token)): prefill excluded",
+                "roofline ideal = weights read once per step (experts: those the batch routed to, measured) + live KV; "
+                "as_run additionally counts the full KV-cache length the attention kernel scans",
+                "the activation / logits traffic is not counted, so the roofline is an upper bound",
+            ],
+            "complete": complete,
+            "results": results,
+        }
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=2)
+        os.replace(tmp, path)
+
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(0)
     results = []
@@ -247,36 +282,8 @@ def main(argv=None) -> int:
                   f"e2e {point['tokens_per_s_end_to_end']:10.1f} tok/s, roofline@copy {point['roofline']['tokens_per_s_at_copy_bw']:10.1f} "
                   f"({100 * (point['roofline']['fraction_of_copy_roofline'] or math.nan):.1f}%), experts touched {touched:.1f}/{cfg.num_experts}", flush=True)
             del engine
-    out = {
-        "benchmark": "embedded engine decode throughput",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count()},
-        "software": {"jax": jax.__version__, "python": platform.python_version()},
-        "tiny": args.tiny,
-        "model": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                               "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
-                                               "num_experts_per_tok", "attention_impl")},
-        "params": counts,
-        "prompt_len": args.prompt_len,
-        "gen_len": args.gen_len,
-        "sampling": "temperature 1, no top-k/top-p, ignore_eos, routed experts returned",
-        "decode_loop": args.decode_loop,
-        "bandwidth": {"hbm_spec_Bps": HBM_SPEC_BPS, "copy_measured_Bps": bw_copy, "copy_mib": args.copy_mib},
-        "notes": [
-            "decode_tokens_per_s = batch*(gen_len-1) / (t(generate gen_len) - t(generate 1 token)): prefill excluded",
-            "roofline ideal = weights read once per step (experts: those the batch routed to, measured) + live KV; "
-            "as_run additionally counts the full KV-cache length the attention kernel scans",
-            "the activation / logits traffic is not counted, so the roofline is an upper bound",
-        ],
-        "results": results,
-    }
-    path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                    f"decode_{'cpu_tiny' if args.tiny else dev.platform}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=2)
-    os.replace(tmp, path)
+            write(complete=False)
+    write(complete=True)
     print(f"wrote {path}")
     return 0
 

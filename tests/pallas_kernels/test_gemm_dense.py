@@ -31,6 +31,27 @@ def test_interpret_matches_float64(m, n, k, rows):
     assert R.rel_err(y, R.block_scaled_matmul(xq, sa, wq, sb, rows)) < 1e-6
 
 
+C = gemm_dense.GemmConfig
+
+
+@pytest.mark.parametrize("rows", [128, 1])
+@pytest.mark.parametrize("cfg", [C(), C(max_concurrent_steps=2, k_blocks_per_step=2), C(tile_n=256, max_concurrent_steps=2, k_blocks_per_step=2)],
+                         ids=["k1", "k2", "k2_n256"])
+def test_interpret_tilings_compute_the_same_block_math(cfg, rows):
+    """Every tiling (one or two K blocks per step; row-folded or per-column scales) against float64."""
+    xq, sa, wq, sb = _operands(11, 70, 256, 512, rows)
+    assert gemm_dense.uses_row_scales(cfg, rows) == (rows == 128 and cfg.tile_n == 128)
+    y = gemm_dense.block_scaled_matmul(xq, sa, wq, sb, b_rows_per_scale=rows, interpret=True, config=cfg)
+    assert R.rel_err(y, R.block_scaled_matmul(xq, sa, wq, sb, rows)) < 1e-6
+
+
+def test_config_checks_k_against_the_step():
+    xq, sa, wq, sb = _operands(12, 8, 128, 384)
+    with pytest.raises(ValueError, match="k_blocks_per_step"):
+        gemm_dense.block_scaled_matmul(xq, sa, wq, sb, interpret=True, config=C(k_blocks_per_step=2))
+    assert gemm_dense.default_config(128, 384).k_blocks_per_step == 1 and gemm_dense.default_config(128, 2048).k_blocks_per_step == 2
+
+
 def test_interpret_row_invariance_and_bf16_out():
     xq, sa, wq, sb = _operands(1, 140, 128, 256)
     full = np.asarray(gemm_dense.block_scaled_matmul(xq, sa, wq, sb, interpret=True, out_dtype=jnp.bfloat16))
