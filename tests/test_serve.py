@@ -113,6 +113,30 @@ def test_generate_update_and_errors(server):
     assert _generate(url, body)[0]["output_ids"] == updated[0]["output_ids"]
 
 
+def test_fleet_engine_push_model_exports_and_loads(server):
+    """The trainer's SGLang path: push_model exports through the converter into weight_sync_dir/<version>,
+    the server loads it (version visible in model_info and in generations), old versions are pruned."""
+    from jaxrl_fp8.precision import PrecisionPolicy, get_recipe
+    from jaxrl_fp8.rollout.sglang_engine import SGLangFleetEngine
+
+    url, tmp = server
+    cfg = tiny_config(**OVERRIDES)
+    recipe = get_recipe("fp8_block")
+    engine = SGLangFleetEngine([url], weight_sync_dir=str(tmp / "sync"), recipe=recipe,
+                               policy=PrecisionPolicy.for_format(recipe.rollout_format, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts),
+                               model_config=cfg, keep_versions=1)
+    for seed, version in [(7, "p1"), (8, "p2")]:
+        path = engine.push_model(random_policy(cfg, seed=seed, dtype="float32").model, version)
+        assert path == str(tmp / "sync" / version)
+        assert requests.get(url + "/model_info", timeout=10).json()["weight_version"] == version
+        assert engine.weight_version == version
+        quant = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
+        assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [128, 128]
+    assert sorted(os.listdir(tmp / "sync")) == ["p2"]  # keep_versions=1: p1 removed after p2 loaded
+    out = _generate(url, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True})
+    assert out["meta_info"]["weight_version"] == "p2"
+
+
 def test_help_explains_every_flag():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-m", "jaxrl_fp8.serve", "--help"], capture_output=True, text=True, env=env, timeout=120)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 
+from jaxrl_fp8 import distributed
 from jaxrl_fp8.model.config import to_hf_config
 from jaxrl_fp8.precision import PrecisionPolicy, Recipe
 from jaxrl_fp8.rollout.fleet import FleetConfig, SGLangFleet
@@ -34,15 +35,26 @@ class SGLangFleetEngine(SGLangFleet):
         self._written: list[str] = []
 
     def push_model(self, model, weight_version: str) -> str:
-        """Export `model` in the rollout format to weight_sync_dir/<version> and load it on every server."""
+        """Export `model` in the rollout format to weight_sync_dir/<version> and load it on every server.
+
+        Multi-host: every process takes part in the export (its gathers are collectives) but only process 0
+        writes the directory and talks to the servers; the others wait for it and then expect the same version.
+        """
         from converters.export import save_exported
 
-        os.makedirs(self.weight_sync_dir, exist_ok=True)
-        path = os.path.join(self.weight_sync_dir, str(weight_version))
+        version = str(weight_version)
+        writer = distributed.is_writer()
+        path = os.path.join(self.weight_sync_dir, version)
+        if writer:
+            os.makedirs(self.weight_sync_dir, exist_ok=True)
         save_exported(model, self.recipe, self.policy, path, hf_config=self.hf_config, overwrite=True,
-                      side_files_from=self.side_files_from)
-        self.update_weights_from_disk(path, str(weight_version))
-        self._written.append(path)
-        while len(self._written) > self.keep_versions:
-            shutil.rmtree(self._written.pop(0), ignore_errors=True)
+                      side_files_from=self.side_files_from, write=writer)
+        if writer:
+            self.update_weights_from_disk(path, version)
+            self._written.append(path)
+            while len(self._written) > self.keep_versions:
+                shutil.rmtree(self._written.pop(0), ignore_errors=True)
+        distributed.barrier(f"sglang-push-{version}")
+        if not writer:
+            self.current_checkpoint, self.expected_weight_version = path, version
         return path
