@@ -8,7 +8,8 @@ count must be 0 (that is the CPU test of this script).
 What it runs, in one fresh child process per XLA_FLAGS setting (flags must be set before JAX starts):
   flag sets   "import_default" (what `import jaxrl_fp8` sets: div.rn + --xla_allow_excess_precision=false),
               "excess_precision_true" (div.rn, excess precision allowed: the state in which 541 575 bytes differed),
-              "div_full" (-nvptx-prec-divf32=1: XLA's approximate division, no excess precision).
+              "div_full" (-nvptx-prec-divf32=1: XLA's approximate division, no excess precision),
+              "no_triton_fusions" (import flags + XLA's Triton softmax-style fusions off: the open hypothesis).
   stages      the NVFP4 chain of docs/decisions/0001, every intermediate returned by ONE jit (so the graph
               is fused as a whole): global amax, g, block amax, amax/6, /g, min(.,448), the e4m3 cast (bits),
               its float32 decode, d = bs*g, x/d, clamp, E2M1 codes, packed bytes.
@@ -43,6 +44,11 @@ FLAG_SETS = {
     "import_default": "",  # jaxrl_fp8's import adds IEEE_DIV and --xla_allow_excess_precision=false
     "excess_precision_true": f"{IEEE_DIV} --xla_allow_excess_precision=true",
     "div_full": "--xla_backend_extra_options=-nvptx-prec-divf32=1 --xla_allow_excess_precision=false",
+    # Hypothesis after the 2026-12-01 H200 run (decision record 0001): the remaining differences come from the
+    # Triton-emitted reduction fusions (XLA's "softmax" matcher catches amax -> broadcast -> divide), which
+    # lower float32 division themselves. This set keeps those patterns in XLA's own emitters.
+    "no_triton_fusions": f"{IEEE_DIV} --xla_allow_excess_precision=false --xla_gpu_enable_triton_softmax_fusion=false "
+                         "--xla_gpu_experimental_enable_triton_softmax_priority_fusion=false",
 }
 
 
