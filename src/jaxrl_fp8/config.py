@@ -46,6 +46,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.tie_word_embeddings = False
     c.model.rope_theta = 10000.0
     c.model.init_std = 0.02
+    c.model.vocab_size = 0  # random init only: 0 = the tokenizer's size; larger pads the vocab (ids past it decode to "")
 
     c.precision = ml_collections.ConfigDict()
     c.precision.num_layers_at_start_in_bf16 = 0
@@ -107,6 +108,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.grad_clip = 1.0
 
     c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.save = True  # False: no checkpoint is written (benchmarks; such a run cannot resume)
     c.checkpoint.every_steps = 50
     c.checkpoint.keep = 3
     c.checkpoint.async_save = True
@@ -147,6 +149,8 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
         _check(m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
                f"{m.num_key_value_heads} does not divide num_attention_heads={m.num_attention_heads}")
         _check(0 < m.num_experts_per_tok <= max(m.num_experts, 1), "model.num_experts_per_tok", f"must be in [1, num_experts={m.num_experts}]")
+    _check(m.get("vocab_size", 0) >= 0, "model.vocab_size", f"must be >= 0 (0: the tokenizer's size), got {m.get('vocab_size', 0)}")
+    _check(not (m.checkpoint and m.get("vocab_size", 0)), "model.vocab_size", "only for random init; a checkpoint brings its own vocab")
     d = c.data
     _check(d.source in ("synthetic", "jsonl", "parquet"), "data.source", f"{d.source!r}: synthetic | jsonl | parquet")
     if d.source == "synthetic":

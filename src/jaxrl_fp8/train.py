@@ -44,6 +44,7 @@ def _records_and_tokenizer(c):
 
 
 def _model(c, vocab_size: int):
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -55,12 +56,20 @@ def _model(c, vocab_size: int):
 
         return from_pretrained(c.model.checkpoint, dtype="float32").model
     m = c.model
-    cfg = tiny_config(vocab_size=vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
+    if m.get("vocab_size", 0) and m.vocab_size < vocab_size:
+        from jaxrl_fp8.config import ConfigError
+
+        raise ConfigError(f"config.model.vocab_size: {m.vocab_size} is smaller than the tokenizer's {vocab_size} ids")
+    cfg = tiny_config(vocab_size=m.get("vocab_size", 0) or vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
                       num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
                       num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                       moe_intermediate_size=m.moe_intermediate_size, intermediate_size=m.intermediate_size,
                       decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=tuple(m.mlp_only_layers),
                       norm_topk_prob=m.norm_topk_prob, tie_word_embeddings=m.tie_word_embeddings, rope_theta=m.rope_theta)
+    if jax.device_count() > 1 and jax.default_backend() != "cpu":
+        # sharded runs: random FP32 masters on the host, the trainer shards them (a 30B model fits no one GPU)
+        with jax.default_device(jax.devices("cpu")[0]):
+            return Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(c.seed))
     return Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(c.seed))
 
 
@@ -183,7 +192,7 @@ def run(c) -> str:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", mismatch=f"{metrics['train_rollout_logprob_abs_diff']:.2g}",
                         s=f"{metrics['step_seconds']:.1f}")
-        if trainer.step % c.checkpoint.every_steps == 0 or trainer.step == c.total_steps:
+        if c.checkpoint.get("save", True) and (trainer.step % c.checkpoint.every_steps == 0 or trainer.step == c.total_steps):
             ckpt.save(trainer.step, trainer.state(), {"step": trainer.step, "data": distributed.gather_process_states(trainer.loader.get_state()),
                                                        "skipped_updates": trainer.skipped_updates, "time": time.time()})
     bar.close()

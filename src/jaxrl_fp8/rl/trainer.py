@@ -79,15 +79,19 @@ class Trainer:
         self.params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)  # FP32 masters
         self.optimizer = optimizer
         self.schedule = schedule
-        self.opt_state = optimizer.init(self.params)
         # Scale-out (jaxrl_fp8.sharding): state in its storage layout on the mesh, experts on their devices.
+        # Masters are sharded before optimizer.init, so Adam's moments are created sharded (a 30B model's
+        # moments do not fit on the one device the unsharded masters were initialised on).
         self.plan = plan
+        if plan is not None:
+            self.params = plan.shard(self.params)
+        self.opt_state = optimizer.init(self.params)
         self.moe_impl = None
         self._sharded_update = None
         if plan is not None:
             from jaxrl_fp8.sharding import make_moe_impl
 
-            self.params, self.opt_state = plan.shard(self.params), plan.shard(self.opt_state)
+            self.opt_state = plan.shard(self.opt_state)
             if plan.mesh.size > 1 and model.cfg.is_moe:
                 self.moe_impl = make_moe_impl(plan.mesh)
         self.ref_params = self.params if settings.use_ref else None
