@@ -53,7 +53,7 @@ class GemmConfig:
             raise ValueError(f"{where}: K={k} is not a multiple of {BLOCK_K * self.k_blocks_per_step} (k_blocks_per_step)")
 
 
-def default_config(n: int, k: int, b_rows_per_scale: int = BLOCK_K) -> GemmConfig:
+def default_config(n: int, k: int) -> GemmConfig:
     """Tiles chosen from the weight shape only, never from M (measured on the H200, NOTES_gemm.md).
 
     Shallow K (fewer than 16 blocks, e.g. the MoE down projection, K = 768) keeps one K block per step and four
@@ -61,7 +61,7 @@ def default_config(n: int, k: int, b_rows_per_scale: int = BLOCK_K) -> GemmConfi
     BF16 epilogue, the limit is 227 KB). Neither choice changes any row's arithmetic: the K blocks are promoted
     in the same order either way, so the choice may differ between shapes without breaking row invariance.
     """
-    del n, b_rows_per_scale
+    del n
     if k // BLOCK_K < 16 or k % (2 * BLOCK_K):
         return GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
     return GemmConfig(max_concurrent_steps=2, k_blocks_per_step=2)
@@ -102,7 +102,7 @@ def b_scale_operand(b_scale, n: int, b_rows_per_scale: int, cfg: GemmConfig):
     return jnp.swapaxes(s, -1, -2)
 
 
-def scaled_tile_pipeline(cfg: GemmConfig, k_iters: int, out_dtype, row_scales: bool):
+def scaled_tile_pipeline(cfg: GemmConfig, k_iters: int, row_scales: bool):
     """Returns the per-output-tile routine shared by the dense and the grouped kernels.
 
     run(a_rows, b_rows, sa_rows, sb_rows, store, allocs): a_rows [2*tile_m, K] e4m3, b_rows [tile_n, K]
@@ -217,7 +217,7 @@ def _dense_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, 
     n = b_gmem.shape[0]
     cta_m, tn = 2 * cfg.tile_m, cfg.tile_n
     m_iters, n_iters, k_iters = mp // cta_m, n // tn, k // BLOCK_K
-    allocations, run = scaled_tile_pipeline(cfg, k_iters, o_gmem.dtype, row_scales)
+    allocations, run = scaled_tile_pipeline(cfg, k_iters, row_scales)
 
     @functools.partial(
         pl.run_scoped,
@@ -234,6 +234,22 @@ def _dense_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, 
             run(a_gmem.at[ms], b_gmem.at[ns], sa_gmem.at[:, ms], sb, tile_store(o_gmem.at[ms, ns], out_smem, cfg.tile_m), allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def launch_persistent(kernel, out_type, *args, interpret: bool):
+    """Run `kernel` on one program per SM with 3 warpgroups (1 memory + 2 compute), Warpgroup semantics."""
+    from pallas_kernels.interpret import launch
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        grid=(_num_sms(interpret),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return launch(call, *args, interpret=interpret)
 
 
 def check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale: int, where: str):
@@ -258,7 +274,7 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 1
     check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale, "gemm_dense.block_scaled_matmul")
     m, k = a_q.shape
     n = b_q.shape[0]
-    cfg = config or default_config(n, k, b_rows_per_scale)
+    cfg = config or default_config(n, k)
     cfg.check(k, "gemm_dense.block_scaled_matmul")
     row_scales = uses_row_scales(cfg, b_rows_per_scale)
     cta_m = 2 * cfg.tile_m
@@ -266,16 +282,6 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 1
     a = jnp.pad(a_q, [(0, mp - m), (0, 0)])
     sa_t = jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
     sb_t = b_scale_operand(b_scale, n, b_rows_per_scale, cfg)
-    call = plgpu.kernel(
-        functools.partial(_dense_kernel, cfg=cfg, row_scales=row_scales),
-        out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
-        grid=(_num_sms(interpret),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    from pallas_kernels.interpret import launch
-
-    out = launch(call, a, b_q, sa_t, sb_t, interpret=interpret)
+    kernel = functools.partial(_dense_kernel, cfg=cfg, row_scales=row_scales)
+    out = launch_persistent(kernel, jax.ShapeDtypeStruct((mp, n), out_dtype), a, b_q, sa_t, sb_t, interpret=interpret)
     return out[:m]

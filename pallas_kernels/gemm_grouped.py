@@ -23,10 +23,10 @@ from pallas_kernels.gemm_dense import (
     BLOCK_K,
     F32,
     GemmConfig,
-    _num_sms,
     b_scale_operand,
     check_operands,
     default_config,
+    launch_persistent,
     scaled_tile_pipeline,
     tile_scales,
     uses_row_scales,
@@ -94,7 +94,7 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
     n = b_gmem.shape[1]
     cta_m, tm, tn = 2 * cfg.tile_m, cfg.tile_m, cfg.tile_n
     t_iters, n_iters, k_iters = items_gmem.shape[1], n // tn, k // BLOCK_K
-    allocations, run = scaled_tile_pipeline(cfg, k_iters, o_gmem.dtype, row_scales)
+    allocations, run = scaled_tile_pipeline(cfg, k_iters, row_scales)
 
     @functools.partial(
         pl.run_scoped,
@@ -146,15 +146,5 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_
     a = jnp.pad(a_q, [(0, mp - m), (0, 0)]) if mp != m else a_q  # a copy only when M is not whole blocks
     sa_t = jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
     sb_t = b_scale_operand(b_scale, n, 128, cfg)
-    call = plgpu.kernel(
-        functools.partial(_grouped_kernel, cfg=cfg, row_scales=uses_row_scales(cfg, 128)),
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(_num_sms(interpret),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    from pallas_kernels.interpret import launch
-
-    return launch(call, items, a, b_q, sa_t, sb_t, interpret=interpret)
+    kernel = functools.partial(_grouped_kernel, cfg=cfg, row_scales=uses_row_scales(cfg, 128))
+    return launch_persistent(kernel, jax.ShapeDtypeStruct((m, n), out_dtype), items, a, b_q, sa_t, sb_t, interpret=interpret)

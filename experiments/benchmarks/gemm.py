@@ -15,7 +15,6 @@ effect is measured against the same machine state.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import importlib.util
 import json

@@ -163,8 +163,10 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     if r.engine == "sglang":
         _check(len(r.sglang_urls) > 0, "rollout.sglang_urls", "engine=sglang needs at least one server URL")
         _check(bool(r.weight_sync_dir), "rollout.weight_sync_dir", "engine=sglang needs a shared directory for weight updates")
+    from jaxrl_fp8.sharding import PLACEMENTS
+
     placement = r.get("placement", "separate")
-    _check(placement in ("separate", "collocated"), "rollout.placement", f"{placement!r}: separate | collocated")
+    _check(placement in PLACEMENTS, "rollout.placement", f"{placement!r}: {' | '.join(PLACEMENTS)}")
     _check(placement == "separate" or r.engine == "embedded", "rollout.placement",
            f"'collocated' runs the embedded engine on the training mesh; engine={r.engine!r} serves elsewhere (use 'separate')")
     _check(r.n_samples >= 2 or c.rl.advantage == "reinforce", "rollout.n_samples", "group advantages need >= 2 samples per prompt")

@@ -107,6 +107,9 @@ class Trainer:
         self._version_prefix = rollout_version_prefix
         self._logprob_jit = jax.jit(self._logprobs)
         self._update_jit = jax.jit(self._update)
+        # multi-host: the mismatch metrics of the global batch, replicated to every process (built once)
+        self._mismatch = mismatch_metrics if jax.process_count() == 1 else jax.jit(
+            mismatch_metrics, static_argnums=(3, 4), out_shardings=plan.replicated())
 
     # -- pure pieces (jitted) -----------------------------------------------------------------------
     def compute_params(self, params):
@@ -194,8 +197,7 @@ class Trainer:
         old_logp = self._logprob_jit(self.params, tokens, routed)
         mask = put(tb.response_mask)
         rollout_logp = put(tb.rollout_logp)
-        mm_fn = mismatch_metrics if not multi else jax.jit(mismatch_metrics, static_argnums=(3, 4), out_shardings=self.plan.replicated())
-        mm = mm_fn(old_logp, rollout_logp, mask, self.s.loss.tis_clip_low, self.s.loss.tis_clip)
+        mm = self._mismatch(old_logp, rollout_logp, mask, self.s.loss.tis_clip_low, self.s.loss.tis_clip)
         data = {"tokens": tokens, "old_logp": old_logp, "rollout_logp": rollout_logp, "mask": mask, "advantages": jnp.asarray(adv)}
         if routed is not None:
             data["routed"] = routed
