@@ -12,6 +12,7 @@ The trainer only sees the `RolloutEngine` protocol; which engine runs is `train.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
@@ -107,9 +108,14 @@ class Trainer:
         self._version_prefix = rollout_version_prefix
         self._logprob_jit = jax.jit(self._logprobs)
         self._update_jit = jax.jit(self._update)
-        # multi-host: the mismatch metrics of the global batch, replicated to every process (built once)
-        self._mismatch = mismatch_metrics if jax.process_count() == 1 else jax.jit(
-            mismatch_metrics, static_argnums=(3, 4), out_shardings=plan.replicated())
+
+    @functools.cached_property
+    def _mismatch_fn(self):
+        """Multi-host: the mismatch metrics of the global batch, replicated to every process (built once, at
+        first use: a subclass may set up the plan after __init__)."""
+        if jax.process_count() == 1:
+            return mismatch_metrics
+        return jax.jit(mismatch_metrics, static_argnums=(3, 4), out_shardings=self.plan.replicated())
 
     # -- pure pieces (jitted) -----------------------------------------------------------------------
     def compute_params(self, params):
@@ -197,7 +203,7 @@ class Trainer:
         old_logp = self._logprob_jit(self.params, tokens, routed)
         mask = put(tb.response_mask)
         rollout_logp = put(tb.rollout_logp)
-        mm = self._mismatch(old_logp, rollout_logp, mask, self.s.loss.tis_clip_low, self.s.loss.tis_clip)
+        mm = self._mismatch_fn(old_logp, rollout_logp, mask, self.s.loss.tis_clip_low, self.s.loss.tis_clip)
         data = {"tokens": tokens, "old_logp": old_logp, "rollout_logp": rollout_logp, "mask": mask, "advantages": jnp.asarray(adv)}
         if routed is not None:
             data["routed"] = routed
