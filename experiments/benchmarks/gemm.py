@@ -1,7 +1,7 @@
 """Block-scaled FP8 GEMM benchmark on one Hopper GPU: our Pallas kernels against XLA/cuBLAS and Pallas anchors.
 
 Everything in one run: XLA BF16 dot, XLA unscaled FP8 dot (NT), our dense kernel (tile variants); lax.ragged_dot
-BF16, jax's ragged_dot_mgpu BF16 example, our grouped kernel on Qwen3-30B-A3B MoE shapes; fwd+bwd of an FP8
+BF16, jax's ragged_dot_mgpu BF16 example, our grouped FP8 and BF16 kernels on Qwen3-30B-A3B MoE shapes; fwd+bwd of an FP8
 linear vs BF16; a device-to-device copy for the bandwidth ceiling. Correctness of every kernel timing is
 checked against a float64 block-math reference on a slice of rows. Prints a table, writes JSON.
 
@@ -146,6 +146,12 @@ def moe_suite(configs, quick):
                     print("  ragged_dot_mgpu config failed", (bm, bn, st, gbn), str(ex)[:120])
             record(f"ragged_dot_mgpu_bf16 {name}", (m, n, k, e), flops, best[1], config=str(best[0]))
         try_run(f"ragged_dot_mgpu {name}", mgpu)
+        from pallas_kernels import gemm_grouped_bf16 as GB
+        for bcfg in [GB.Bf16GroupedConfig(), GB.Bf16GroupedConfig(max_concurrent_steps=3, grid_minor_dim=1, grid_tile_width=8)]:
+            def ours_bf16(bcfg=bcfg):
+                f = jax.jit(functools.partial(GB.grouped_matmul, out_dtype=jnp.bfloat16, config=bcfg))
+                record(f"ours_grouped_bf16 {name}", (m, n, k, e), flops, bench(f, x16, w16, sizes), config=str(bcfg))
+            try_run(f"ours_grouped_bf16 {name} {bcfg}", ours_bf16)
         xq, sa = quantize_fp8_per_token_group(x16, 128)
         wq, sb = quantize_fp8_per_block(w16, (128, 128))
         for cfg in configs:

@@ -1,7 +1,9 @@
-"""Which implementation runs a block-scaled GEMM: the Mosaic GPU kernel, the XLA path, or interpret mode.
+"""Which implementation runs a GEMM: the Mosaic GPU kernel, the XLA path, or interpret mode.
 
-`None` (auto) picks the Mosaic GPU kernel for fp8-block GEMMs on a Hopper GPU whose shapes it supports, and
-the XLA path everywhere else. "interpret" runs the Pallas kernel through Mosaic GPU's CPU interpreter (tests).
+`None` (auto) picks a Mosaic GPU kernel on a Hopper GPU when the shape fits one — the block-scaled FP8
+kernels for fp8-block GEMMs, the BF16 grouped kernel for every BF16 expert GEMM (bf16 format, the
+dequantized emulated formats, the BF16 backward) — and the XLA path everywhere else (dense BF16 GEMMs
+always take XLA's cuBLAS dot). "interpret" runs the Pallas kernel through Mosaic GPU's CPU interpreter (tests).
 """
 
 from __future__ import annotations
@@ -44,6 +46,39 @@ def resolve(backend: str | None, fmt: str, n: int, k: int) -> str:
             "use backend='xla' (or None) for other shapes"
         )
     return backend
+
+
+def bf16_grouped_kernel_supports(out_width: int, contraction: int) -> bool:
+    from pallas_kernels import gemm_grouped_bf16
+
+    return gemm_grouped_bf16.supports(out_width, contraction)
+
+
+def resolve_bf16_grouped(backend: str | None, out_width: int, contraction: int) -> str:
+    """The backend of one BF16 grouped GEMM with output width `out_width` contracting over `contraction`."""
+    check_backend(backend)
+    if backend is None:
+        return "mosaic" if default_device_is_hopper() and bf16_grouped_kernel_supports(out_width, contraction) else "xla"
+    if backend != "xla" and not bf16_grouped_kernel_supports(out_width, contraction):
+        raise ValueError(
+            f"backend {backend!r}: the Pallas BF16 grouped kernel needs the output width a multiple of 128 and the "
+            f"contraction a multiple of 64, got {out_width} and {contraction}; use backend='xla' (or None)"
+        )
+    return backend
+
+
+def bf16_grouped_matmul(x, w, group_sizes, *, backend: str, layout: str = "nk"):
+    """float32 [M, O] = x . w[g]^T ("nk", w [E, O, C]) or x . w[g] ("kn", w [E, C, O]), BF16 operands."""
+    bf16 = jax.numpy.bfloat16
+    if backend == "xla":
+        from jaxrl_fp8.ops import grouping
+
+        return grouping.grouped_dot(x, w if layout == "nk" else jax.numpy.swapaxes(w, 1, 2), group_sizes)
+    from pallas_kernels import gemm_grouped_bf16
+
+    return gemm_grouped_bf16.grouped_matmul(
+        x.astype(bf16), w.astype(bf16), group_sizes, layout=layout, interpret=backend == "interpret"
+    )
 
 
 def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, backend: str, b_rows_per_scale: int = 128, out_dtype=jax.numpy.float32):

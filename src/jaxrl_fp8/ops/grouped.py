@@ -34,17 +34,24 @@ def grouped_linear(x, w, group_sizes, *, fmt: str = "bf16", backward: str = "hig
     return _grouped(x, w, group_sizes, fmt, backward, backend, out_dtype)
 
 
+def _bf16_dot(x, w, gs, backend, layout="nk"):
+    """BF16 grouped GEMM, float32 result: the Pallas kernel on Hopper (auto) when the shape fits, else XLA."""
+    o, c = (w.shape[1], w.shape[2]) if layout == "nk" else (w.shape[2], w.shape[1])
+    be = backends.resolve_bf16_grouped(backend, o, c)
+    return backends.bf16_grouped_matmul(x, w, gs, backend=be, layout=layout)
+
+
 def _forward(x, w, gs, fmt, backend):
     e, n, k = w.shape
     if fmt == F.BF16:
-        return grouping.grouped_dot(x, jnp.asarray(w), gs), None
+        return _bf16_dot(x, jnp.asarray(w), gs, backend), None
     if fmt == F.FP8_BLOCK:
         be = backends.resolve(backend, fmt, n, k)
         xq, sa = O.fp8_act(x, be)
         wq, sb = O.fp8_weight(w, be)
         return backends.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, backend=be), (xq, sa, wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
-    return grouping.grouped_dot(xd, wd, gs), (xd, wd)
+    return _bf16_dot(xd, wd, gs, backend), (xd, wd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -84,7 +91,7 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
         dw = grouping.grouped_wgrad_fp8(gtq, sgt, xtq, sxt, gs, e)
     else:
         a, b = O.backward_operands(backward, fmt, x, w, kept)
-        dx = grouping.grouped_dot(g, jnp.swapaxes(b, 1, 2), gs)
+        dx = _bf16_dot(g, b, gs, backend, layout="kn")
         dw = grouping.grouped_wgrad(g, a, gs, e)
     return dx.astype(x.dtype), O.master_cotangent(w, dw), None
 
