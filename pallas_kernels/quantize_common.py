@@ -141,8 +141,8 @@ def ieee_div(a, b, *, layout, mode: str):
         b = jnp.broadcast_to(jnp.asarray(b, F32), a.shape)
         if mode != INTERPRET:
             b = plgpu.layout_cast(b, layout)
-    if mode == INTERPRET:
-        return a / lax.optimization_barrier(b)
+    if mode == INTERPRET:  # both fenced: XLA would rewrite (a / b) / c into a / (b * c) (precision.arith.ieee_div)
+        return lax.optimization_barrier(a) / lax.optimization_barrier(b)
     if mode == DIVF:
         return a / b
     return _ptx_div_rn(layout)(a, b)
@@ -232,6 +232,16 @@ def ceil_pow2_bits(s):
     up = lax.bitcast_convert_type(exponent + jnp.uint32(0x00800000), F32)
     out = jnp.where(mantissa == jnp.uint32(0), s, up)
     return jnp.where(s <= F32_MAX, out, s)
+
+
+def pow2_reciprocal_bits(s):
+    """1/s for s a positive normal power of two 2^k (|k| <= 126) or NaN, from the bits: exactly RN(1/s).
+
+    bits(2^-k) = (254 - E) << 23 = 0x7F000000 - bits(s) (E the biased exponent, mantissa 0); NaN stays NaN.
+    """
+    bits = lax.bitcast_convert_type(s, jnp.uint32)
+    inv = lax.bitcast_convert_type(jnp.uint32(0x7F000000) - bits, F32)
+    return jnp.where(s <= F32_MAX, inv, s)
 
 
 def e8m0_byte(s):
@@ -381,3 +391,192 @@ def divide_rows(x, s, *, division: str = "markstein", interpret: bool = False):
     with interpret_context(interpret):
         (y,) = jax.jit(call)(x.astype(F32), s.astype(F32))
         return y
+
+
+# ---------------------------------------------------------------------------------------------- row-per-thread
+# (additive: the "v2" NVFP4 / MXFP8 kernels; nothing above uses these.)
+#
+# The wgmma layout spreads a narrow row (16 or 32 values) over 4 lanes, so every per-row step (shuffle
+# reduction, the div.rn chain, the scale byte) is done by 4 threads for 4 or 8 values each. ROW_LAYOUT gives
+# each thread whole rows instead: thread t of the warpgroup holds row t of every 128-row slab, in registers
+# of 16 bytes (8 bf16 / 4 f32 values: the widest vector Mosaic moves through a swizzled SMEM tile). A row's
+# amax is then a chain of in-thread max instructions, and each per-row step runs once per row per thread.
+# With the TMA swizzle the 16-byte loads of 8 consecutive threads fall in 8 distinct bank quads.
+
+
+def row_layout(group: int, dtype):
+    """[rows, group] tile layout: one row per thread (rows t, t + 128, ...), vectors of 16 bytes."""
+    vec = 16 // jnp.dtype(dtype).itemsize
+    if group % vec:
+        raise ValueError(f"row_layout: group {group} is not a multiple of {vec} {jnp.dtype(dtype).name} values")
+    return plgpu.Layout.TILED(plgpu.Tiling(((128, group), (32, group), (vec,))), warp_dims=(-5,), lane_dims=(-3,),
+                              vector_dim=-1)
+
+
+class MlirOps:
+    """Scalar MLIR builders for inline_mgpu bodies (i32 / f32 values), mirroring the jnp forms of `JnpOps`."""
+
+    def __init__(self):
+        from jaxlib.mlir import ir  # noqa: PLC0415
+        from jaxlib.mlir.dialects import arith, llvm, math as mmath  # noqa: PLC0415
+
+        self.ir, self.arith, self.llvm, self.math = ir, arith, llvm, mmath
+        self.i32 = ir.IntegerType.get_signless(32)
+        self.i16 = ir.IntegerType.get_signless(16)
+        self.i8 = ir.IntegerType.get_signless(8)
+        self.f32 = ir.F32Type.get()
+
+    def u(self, v: int):
+        return self.arith.constant(self.i32, ir_int(v))
+
+    def f(self, v: float):
+        return self.arith.constant(self.f32, float(v))
+
+    def bits(self, x):
+        return self.arith.bitcast(self.i32, x)
+
+    def float(self, b):
+        return self.arith.bitcast(self.f32, b)
+
+    def and_(self, a, b):
+        return self.arith.andi(a, self._c(b))
+
+    def or_(self, a, b):
+        return self.arith.ori(a, self._c(b))
+
+    def shr(self, a, n: int):
+        return self.arith.shrui(a, self.u(n))
+
+    def shl(self, a, n: int):
+        return self.arith.shli(a, self.u(n))
+
+    def add(self, a, b):
+        return self.arith.addi(a, self._c(b))
+
+    def sub(self, a, b):
+        return self.arith.subi(a, self._c(b))
+
+    def minu(self, a, b):
+        return self.arith.minui(a, self._c(b))
+
+    def ltu(self, a, b):
+        return self.arith.cmpi(self.arith.CmpIPredicate.ult, a, self._c(b))
+
+    def eq(self, a, b):
+        return self.arith.cmpi(self.arith.CmpIPredicate.eq, a, self._c(b))
+
+    def select(self, c, a, b):
+        return self.arith.select(c, self._c(a), self._c(b))
+
+    def fadd(self, a, b: float):
+        return self.arith.addf(a, self.f(b))
+
+    def fmax(self, a, b):  # NaN-propagating (max.NaN.f32), like jnp.maximum
+        return self.arith.maximumf(a, self._cf(b))
+
+    def fmin(self, a, b):
+        return self.arith.minimumf(a, self._cf(b))
+
+    def fle(self, a, b):
+        return self.arith.cmpf(self.arith.CmpFPredicate.OLE, a, self._cf(b))
+
+    def fgt(self, a, b):
+        return self.arith.cmpf(self.arith.CmpFPredicate.OGT, a, self._cf(b))
+
+    def fselect(self, c, a, b):
+        return self.arith.select(c, self._cf(a), self._cf(b))
+
+    def abs(self, x):
+        return self.math.absf(x)
+
+    def mul(self, a, b):
+        return self.arith.mulf(a, self._cf(b))
+
+    def asm(self, ret, args, text, constraints):
+        return self.llvm.inline_asm(ret, list(args), text, constraints)
+
+    def div_rn(self, a, b):
+        """IEEE a / b: the PTX instruction div.rn.f32 (not arith.divf, which lowers to div.full.f32 here)."""
+        return self.asm(self.f32, [self._cf(a), self._cf(b)], "div.rn.f32 $0, $1, $2;", "=f,f,f")
+
+    def markstein(self, x, s, r):
+        """IEEE x / s given r = div.rn(1, s) (see _MARKSTEIN_PTX)."""
+        return self.asm(self.f32, [x, s, r], _MARKSTEIN_PTX, "=f,f,f,f")
+
+    def cvt_f8x2(self, hi, lo, name: str):
+        """RNE satfinite cast of two float32 to one fp8 pair (lo in the low byte), as an i32 (upper 16 bits 0)."""
+        h = self.asm(self.i16, [hi, lo], f"cvt.rn.satfinite.{name}x2.f32 $0, $1, $2;", "=h,f,f")
+        return self.arith.extui(self.i32, h)
+
+    def e4m3_to_f32(self, byte32):
+        """float32 of the e4m3 byte in the low 8 bits of an i32 (exact: through f16, as Mosaic's astype)."""
+        h = self.arith.trunci(self.i16, byte32)
+        text = ("{ .reg .b32 t; .reg .f16 lo, hi; cvt.rn.f16x2.e4m3x2 t, $1; mov.b32 {lo, hi}, t; "
+                "cvt.f32.f16 $0, lo; }")
+        return self.asm(self.f32, [h], text, "=f,h")
+
+    def _c(self, v):
+        return self.u(v) if isinstance(v, int) else v
+
+    def _cf(self, v):
+        return self.f(v) if isinstance(v, float) else v
+
+
+def splat_scalar(v):
+    """The scalar ir.Value behind an inline_mgpu argument that Pallas passed as a splat FragmentedArray."""
+    if isinstance(v, mgpu_fa.FragmentedArray):
+        from jaxlib.mlir import ir  # noqa: PLC0415
+        from jaxlib.mlir.dialects import vector  # noqa: PLC0415
+
+        v = v.registers.flat[0]
+        if isinstance(v.type, ir.VectorType):
+            v = vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+    return v
+
+
+def ir_int(v: int) -> int:
+    """A Python int as the signed 32-bit value MLIR's i32 attribute wants."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+class JnpOps:
+    """The same operations on jnp uint32 / float32 arrays (interpret mode, and tests of the formulas)."""
+
+    u = staticmethod(lambda v: jnp.uint32(v))
+    f = staticmethod(lambda v: F32(v))
+    bits = staticmethod(lambda x: lax.bitcast_convert_type(x, jnp.uint32))
+    float = staticmethod(lambda b: lax.bitcast_convert_type(b, F32))
+    and_ = staticmethod(lambda a, b: a & jnp.uint32(b))
+    or_ = staticmethod(lambda a, b: a | jnp.uint32(b) if isinstance(b, int) else a | b)
+    shr = staticmethod(lambda a, n: a >> jnp.uint32(n))
+    shl = staticmethod(lambda a, n: a << jnp.uint32(n))
+    add = staticmethod(lambda a, b: a + (jnp.uint32(b) if isinstance(b, int) else b))
+    sub = staticmethod(lambda a, b: a - (jnp.uint32(b) if isinstance(b, int) else b))
+    minu = staticmethod(lambda a, b: jnp.minimum(a, jnp.uint32(b) if isinstance(b, int) else b))
+    ltu = staticmethod(lambda a, b: a < (jnp.uint32(b) if isinstance(b, int) else b))
+    eq = staticmethod(lambda a, b: a == (jnp.uint32(b) if isinstance(b, int) else b))
+    select = staticmethod(lambda c, a, b: jnp.where(c, jnp.uint32(a) if isinstance(a, int) else a,
+                                                    jnp.uint32(b) if isinstance(b, int) else b))
+    fadd = staticmethod(lambda a, b: a + F32(b))
+
+
+def e2m1_code(y_bits, ops):
+    """E2M1 code (sign << 3 | magnitude) of clamp(y, -6, 6) from y's float32 bits, round-to-nearest-even.
+
+    Equal to `jaxrl_fp8.precision.nvfp4.e2m1_codes(clip(y, -6, 6))` for every non-NaN float32 y (the
+    threshold counts there ARE RNE onto the grid 0, .5, 1, 1.5, 2, 3, 4, 6 with ties to the even code):
+      a = min(|y| bits, bits(6.0))                       the clamp, on the bits (|y| <= 6 <=> bits <= 0x40C00000)
+      |y| < 1:  RNE(2|y|) = bits(|y| + 2^22) - bits(2^22)   float add: 2^22 has ulp 0.5, so the add rounds |y|
+                                                           to a multiple of 0.5, ties to even (= even code)
+      |y| >= 1: E2M1 normals have 1 mantissa bit and exponents 0..2, so the code is bits >> 22 minus 252
+                after rounding bits at bit 22 to nearest even: (a + 0x1FFFFF + bit22) >> 22; a carry into the
+                exponent is the next code (codes are monotone in the bits).
+    About 12 integer / float instructions per value instead of 7 compare-and-add pairs.
+    """
+    a = ops.minu(ops.and_(y_bits, 0x7FFFFFFF), 0x40C00000)
+    small = ops.sub(ops.bits(ops.fadd(ops.float(a), 4194304.0)), 0x4A800000)
+    bit22 = ops.and_(ops.shr(a, 22), 1)
+    normal = ops.shr(ops.add(ops.add(a, bit22), (0x1FFFFF - (252 << 22)) & 0xFFFFFFFF), 22)
+    mag = ops.select(ops.ltu(a, 0x3F800000), small, normal)
+    return ops.or_(mag, ops.and_(ops.shr(y_bits, 28), 8))

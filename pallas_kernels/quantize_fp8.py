@@ -40,7 +40,7 @@ def _check_input(x, what):
 # ---------------------------------------------------------------------------------------------- groups
 
 
-def _group_body(t, x_ref, q_ref, s_ref, *, fmax, out_dtype, pow2, e8m0, mode):
+def _group_body(t, x_ref, q_ref, s_ref, *, fmax, out_dtype, pow2, e8m0, mode, pow2_inv="div"):
     del t
     x = C.load_tile(x_ref, mode).astype(F32)
     amax = C.finite_or_nan(jnp.max(C.abs_for_amax(x, mode), axis=1), AMAX_FLOOR)
@@ -48,7 +48,10 @@ def _group_body(t, x_ref, q_ref, s_ref, *, fmax, out_dtype, pow2, e8m0, mode):
     if pow2:
         s = C.ceil_pow2_bits(s)
         # s is a power of two, so x * (1/s) is the same real number as x / s, rounded once: identical bits.
-        inv = C.rdiv(1.0, s, layout=C.ROWS, mode=C.row_mode(mode))
+        if pow2_inv == "bits":  # mxfp8 impl v2: 1/s from the exponent (exact), no div.rn per row
+            inv = C.pow2_reciprocal_bits(s)
+        else:
+            inv = C.rdiv(1.0, s, layout=C.ROWS, mode=C.row_mode(mode))
         y = x * C.row_broadcast(inv, x.shape)
     else:
         y = C.divide_by_rows(x, s, mode=mode)
@@ -56,8 +59,8 @@ def _group_body(t, x_ref, q_ref, s_ref, *, fmax, out_dtype, pow2, e8m0, mode):
     s_ref[...] = C.e8m0_byte(s) if e8m0 else s
 
 
-@functools.partial(jax.jit, static_argnames=("group", "out_dtype", "pow2", "e8m0", "cfg", "interpret"))
-def _quantize_rows(x, *, group, out_dtype, pow2, e8m0, cfg, interpret):
+@functools.partial(jax.jit, static_argnames=("group", "out_dtype", "pow2", "e8m0", "cfg", "interpret", "pow2_inv"))
+def _quantize_rows(x, *, group, out_dtype, pow2, e8m0, cfg, interpret, pow2_inv="div"):
     """x [..., K] -> (q [..., K] out_dtype, scale [..., ceil(K/group)] f32 or uint8)."""
     lead, k = x.shape[:-1], x.shape[-1]
     pad = (-k) % group
@@ -74,7 +77,7 @@ def _quantize_rows(x, *, group, out_dtype, pow2, e8m0, cfg, interpret):
     rows = lambda g, t: g.at[pl.ds(t * tr, tr)]
     body = functools.partial(
         _group_body, fmax=fp8_max(out_dtype), out_dtype=out_dtype, pow2=pow2, e8m0=e8m0,
-        mode=C.div_mode(interpret, cfg),
+        mode=C.div_mode(interpret, cfg), pow2_inv=pow2_inv,
     )
     call = C.persistent_kernel(
         body,
@@ -117,9 +120,18 @@ def fp8_per_token_group(x, group_size: int = 128, *, dtype=jnp.float8_e4m3fn, po
                               cfg=config or C.TileConfig(), interpret=interpret)
 
 
+MXFP8_IMPLS = ("v2", "v1")
+
+
 def mxfp8(x, block: int = MXFP8_BLOCK, *, dtype=jnp.float8_e4m3fn, interpret: bool = False,
-          config: C.TileConfig | None = None):
-    """Kernel form of `jaxrl_fp8.precision.quantize_mxfp8`: (q, UE8M0 scale bytes [..., ceil(K/block)])."""
+          config: C.TileConfig | None = None, impl: str = "v2"):
+    """Kernel form of `jaxrl_fp8.precision.quantize_mxfp8`: (q, UE8M0 scale bytes [..., ceil(K/block)]).
+
+    impl "v2" (default) takes the power-of-two reciprocal 1/s from s's exponent bits (exact) instead of a
+    per-row div.rn.f32; "v1" is the first kernel. Same bits either way.
+    """
+    if impl not in MXFP8_IMPLS:
+        raise ValueError(f"mxfp8: impl must be one of {MXFP8_IMPLS}, got {impl!r}")
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError("mxfp8 needs at least one axis")
@@ -129,7 +141,8 @@ def mxfp8(x, block: int = MXFP8_BLOCK, *, dtype=jnp.float8_e4m3fn, interpret: bo
     interpret = C.resolve_interpret(interpret)
     with C.interpret_context(interpret):
         return _quantize_rows(x, group=block, out_dtype=jnp.dtype(dtype), pow2=True, e8m0=True,
-                              cfg=config or C.TileConfig(), interpret=interpret)
+                              cfg=config or C.TileConfig(), interpret=interpret,
+                              pow2_inv="bits" if impl == "v2" else "div")
 
 
 # ---------------------------------------------------------------------------------------------- blocks

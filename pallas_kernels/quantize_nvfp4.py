@@ -107,8 +107,112 @@ def _nvfp4_body(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, *, rows_per_gro
         _pack_store_gpu(codes, packed_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("groups", "cfg", "interpret"))
-def _quantize(x, global_amax, *, groups, cfg, interpret):
+# ---------------------------------------------------------------------------------------------- v2
+# impl="v2" (the default): the same contract chain, fewer instructions per value (docs/decisions/0006):
+#  - one row (16 values) per thread (C.row_layout): the block amax is 15 in-thread max instructions, and the
+#    per-row chain (two div.rn, the E4M3 cast, d, div.rn(1, d)) runs once per row per thread instead of on 4 lanes;
+#  - the E2M1 code comes from the float32 bits (C.e2m1_code: ~12 instructions instead of 7 compare+add pairs,
+#    the clamp and the sign);
+#  - the 16 codes of a row are packed into two 32-bit words in registers and stored as one 8-byte vector at
+#    row * 8 (no per-register index arithmetic, no single-byte stores); blocks with d == 0 or NaN get their
+#    words ANDed with 0 (the contract's "code 0 when d == 0");
+#  - g = max(amax, 1e-10) / 2688 is one div.rn per thread per tile (a scalar), not one per row.
+
+
+def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype):
+    """GPU body of one tile: x [tr, 16] in C.row_layout, amax / group scalars; writes packed, bs and g."""
+    layout = C.row_layout(NVFP4_BLOCK, in_dtype)
+
+    @plgpu.inline_mgpu(
+        arg_types=(layout, plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT, plgpu.RefType(), plgpu.RefType(),
+                   plgpu.RefType()),
+        return_type=None,
+    )
+    def body(ctx, x, amax, group, packed, bs_out, g_out):
+        del ctx
+        o = C.MlirOps()
+        index = ir.IndexType.get()
+        amax, group = C.splat_scalar(amax), C.splat_scalar(group)
+        g = o.div_rn(amax, GLOBAL_DIVISOR)
+        memref.store(g, g_out, [arith.index_cast(index, group)])  # every thread stores the same value
+        regs = x.registers
+        n_rows, n_vec = regs.shape[0], regs.shape[-2]
+        rows = [idx[0] for idx, _ in zip(x.layout.thread_idxs(x.shape), range(regs.size))]
+        for j in range(n_rows):
+            vals = []
+            for k in range(n_vec):
+                reg = regs[(j, 0, 0, 0, 0, k, 0)]
+                [width] = ir.VectorType(reg.type).shape
+                for e in range(width):
+                    v = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+                    vals.append(v if in_dtype == jnp.float32 else arith.extf(o.f32, v))
+            amx = o.abs(vals[0])
+            for v in vals[1:]:
+                amx = o.fmax(amx, o.abs(v))
+            amx = o.fselect(o.fle(amx, C.F32_MAX), amx, float("nan"))  # NaN if the block held NaN or inf
+            tg = o.div_rn(o.div_rn(amx, 6.0), g)
+            byte = o.and_(o.cvt_f8x2(o.f(0.0), o.fmin(tg, float(E4M3_MAX)), "e4m3"), 0xFF)
+            d = o.mul(o.e4m3_to_f32(byte), g)
+            ok = o.fgt(d, 0.0)
+            dd = o.fselect(ok, d, 1.0)
+            r = o.div_rn(1.0, dd)
+            mask = o.select(ok, 0xFFFFFFFF, 0)
+            words = []
+            for half in range(2):
+                w = None
+                for e in range(8):
+                    y = o.markstein(vals[half * 8 + e], dd, r)
+                    code = C.e2m1_code(o.bits(y), o)
+                    code = code if e == 0 else o.shl(code, 4 * e)
+                    w = code if w is None else o.or_(w, code)
+                words.append(arith.andi(w, mask))
+            # rows[j * n_vec] is this thread's row of register (j, ..., 0)
+            row = rows[j * n_vec]
+            vec2 = vector.from_elements(ir.VectorType.get((2,), o.i32), words)
+            vec8 = vector.bitcast(ir.VectorType.get((8,), o.i8), vec2)
+            vector.store(vec8, packed, [arith.muli(row, arith.constant(index, NVFP4_BLOCK // 2))])
+            memref.store(arith.trunci(o.i8, byte), bs_out, [row])
+
+    body(x, amax, group, packed_ref, bs_ref, g_ref)
+
+
+def _v2_interpret(x, g):
+    """Interpret-mode body: the same steps as `_v2_gpu` in jnp (x [tr, 16] float32, g scalar)."""
+    o = C.JnpOps
+    bamax = jnp.max(C.abs_for_amax(x, C.INTERPRET), axis=1)
+    bamax = jnp.where(bamax <= C.F32_MAX, bamax, jnp.nan)
+    t6 = bamax / lax.optimization_barrier(jnp.full(bamax.shape, 6.0, F32))
+    tg = lax.optimization_barrier(t6) / lax.optimization_barrier(jnp.broadcast_to(g, bamax.shape))  # no a/(b*c)
+    bs = jnp.minimum(tg, F32(E4M3_MAX)).astype(E4M3)
+    d = bs.astype(F32) * g
+    ok = d > 0
+    dd = jnp.where(ok, d, F32(1.0))
+    y = x / lax.optimization_barrier(C.row_broadcast(dd, x.shape))
+    codes = C.e2m1_code(o.bits(y), o)  # [tr, 16] uint32
+    shifts = (jnp.arange(16, dtype=jnp.uint32) % 8) * 4
+    shifted = (codes << shifts).reshape(x.shape[0], 2, 8)
+    words = jnp.bitwise_or.reduce(shifted, axis=2)  # [tr, 2]
+    words = jnp.where(ok[:, None], words, jnp.uint32(0))
+    packed = lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)  # little-endian: code 0 in the low nibble
+    return packed, lax.bitcast_convert_type(bs, jnp.uint8)
+
+
+def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, *, rows_per_group, tr, mode, in_dtype):
+    group = (t * tr) // rows_per_group  # tiles never straddle two global scales
+    amax = jnp.maximum(amax_gmem[group], F32(AMAX_FLOOR))
+    if mode == C.INTERPRET:
+        g = amax / lax.optimization_barrier(F32(GLOBAL_DIVISOR))
+        g_gmem[group] = g
+        packed, bs = _v2_interpret(x_ref[...].astype(F32), g)
+        packed_ref[...] = packed
+        bs_ref[...] = bs
+        return
+    x = plgpu.load(x_ref, (), layout=C.row_layout(NVFP4_BLOCK, in_dtype))
+    _v2_gpu(x, amax, group.astype(jnp.int32), packed_ref, bs_ref, g_gmem, in_dtype=in_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("groups", "cfg", "interpret", "impl"))
+def _quantize(x, global_amax, *, groups, cfg, interpret, impl="v2"):
     """x [..., K]; global_amax float32 [groups] (one per leading slice of x.shape[:-1]) -> packed, bs, g."""
     lead, k = x.shape[:-1], x.shape[-1]
     pad = (-k) % NVFP4_BLOCK
@@ -127,15 +231,25 @@ def _quantize(x, global_amax, *, groups, cfg, interpret):
     amax = jnp.pad(global_amax.astype(F32), (0, gpad))
     ntiles = pl.cdiv(rp, tr)
     half = NVFP4_BLOCK // 2
+    v2 = impl == "v2"
+    mode = C.div_mode(interpret, cfg)
+    if v2:
+        if mode not in (C.INTERPRET, C.MARKSTEIN):
+            raise ValueError(f"nvfp4 impl='v2' divides with the Markstein sequence only (division={cfg.division!r}); use impl='v1'")
+        body = functools.partial(_nvfp4_body_v2, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode,
+                                 in_dtype=jnp.dtype(x.dtype))
+    else:
+        body = functools.partial(_nvfp4_body, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode)
+    bs_dtype = jnp.uint8 if v2 else E4M3  # v2 writes the scale bytes as integers (bitcast after the kernel)
     call = C.persistent_kernel(
-        functools.partial(_nvfp4_body, rows_per_group=max(rows_per_group, 1), tr=tr, mode=C.div_mode(interpret, cfg)),
-        name="quantize_nvfp4",
-        out_shapes=[jax.ShapeDtypeStruct((rp * half,), jnp.uint8), jax.ShapeDtypeStruct((rp,), E4M3)],
+        body,
+        name="quantize_nvfp4" + ("_v2" if v2 else ""),
+        out_shapes=[jax.ShapeDtypeStruct((rp * half,), jnp.uint8), jax.ShapeDtypeStruct((rp,), bs_dtype)],
         in_tiles=[((tr, NVFP4_BLOCK), x.dtype, C.swizzle_transforms(NVFP4_BLOCK, x.dtype),
                    lambda gm, t: gm.at[pl.ds(t * tr, tr)])],
         out_tiles=[
             ((tr * half,), jnp.uint8, (), lambda gm, t: gm.at[pl.ds(t * tr * half, tr * half)]),
-            ((tr,), E4M3, (), lambda gm, t: gm.at[pl.ds(t * tr, tr)]),
+            ((tr,), bs_dtype, (), lambda gm, t: gm.at[pl.ds(t * tr, tr)]),
         ],
         ntiles=ntiles,
         cfg=cfg,
@@ -144,17 +258,26 @@ def _quantize(x, global_amax, *, groups, cfg, interpret):
         extra_out=[jax.ShapeDtypeStruct((groups + gpad,), F32)],
     )
     packed, bs, g = call(x2, amax)
+    if v2:
+        bs = lax.bitcast_convert_type(bs, E4M3)
     packed = packed[: r * half].reshape(*lead, kp // 2)
     return packed, bs[:r].reshape(*lead, kp // NVFP4_BLOCK), g[:groups]
 
 
+IMPLS = ("v2", "v1")  # v1: the first kernel (wgmma layout, threshold compares, byte stores), kept for A/B timing
+
+
 def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool = False,
-          config: C.TileConfig | None = None):
+          config: C.TileConfig | None = None, impl: str = "v2"):
     """Kernel form of `jaxrl_fp8.precision.quantize_nvfp4`: (packed uint8 [..., Kp/2], e4m3 [..., Kp/16], g).
 
     global_amax: None (the tensor's finite amax, one XLA reduction before the kernel), a scalar, or an
     array of shape x.shape[:1] (one per expert of a stack). Per-token scales are not supported here.
+    impl: "v2" (default: row per thread, codes from the float bits, 8-byte stores) or "v1" (the first kernel);
+    both return the contract's bits.
     """
+    if impl not in IMPLS:
+        raise ValueError(f"nvfp4: impl must be one of {IMPLS}, got {impl!r}")
     if four_over_six:
         raise NotImplementedError(
             "nvfp4 kernel: four_over_six is not implemented (its error comparison has no fixed summation order); "
@@ -182,11 +305,12 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
     with C.interpret_context(interpret):
         rows_per_expert = math.prod(x.shape[1:-1]) * (-(-x.shape[-1] // NVFP4_BLOCK))
         if groups > 1 and rows_per_expert % C.tile_rows(cfg, NVFP4_BLOCK):
-            outs = [_quantize(x[i], global_amax[i].reshape(1), groups=1, cfg=cfg, interpret=interpret)
+            outs = [_quantize(x[i], global_amax[i].reshape(1), groups=1, cfg=cfg, interpret=interpret, impl=impl)
                     for i in range(groups)]
             return (jnp.stack([o[0] for o in outs]), jnp.stack([o[1] for o in outs]),
                     jnp.concatenate([o[2] for o in outs]).reshape(shape))
-        packed, bs, g = _quantize(x, global_amax.reshape(groups), groups=groups, cfg=cfg, interpret=interpret)
+        packed, bs, g = _quantize(x, global_amax.reshape(groups), groups=groups, cfg=cfg, interpret=interpret,
+                                 impl=impl)
     return packed, bs, g.reshape(shape)
 
 __all__ = ["nvfp4"]

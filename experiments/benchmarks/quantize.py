@@ -3,6 +3,10 @@
     PYTHONPATH=src:. python experiments/benchmarks/quantize.py --out results/quantize_h200.json [--quick]
         [--kernels mxfp8,nvfp4] [--no-anchor-torch]
 
+With --kernels limited to nvfp4 and/or mxfp8 (e.g. `--kernels nvfp4,mxfp8 --no-anchor-torch --out /tmp/x.json`)
+only the 256 MiB cases run, each kernel as impl v1 (the first kernel) and v2 (row per thread / bit tricks),
+default tiling, so old and new are timed side by side against the same-run copy anchor (about 2 minutes).
+
 For each kernel and shape: median time per call, bytes moved (each input read once, each output written
 once), GB/s, and that bandwidth as a percentage of the copy measured in the same process (XLA copy of a
 1 GiB buffer, bytes read + written). The XLA version is `jax.jit` of the `jaxrl_fp8.precision` function on
@@ -140,8 +144,27 @@ def copy_anchor(size_bytes: int = 1 << 30, torch_anchor: bool = True) -> dict:
 KERNELS = ("fp8_per_token_group", "mxfp8", "fp8_per_block", "nvfp4")
 
 
+def ab_cases(kernels):
+    """v1 vs v2 of NVFP4 and MXFP8 on the >= 256 MiB inputs: (name, shape, dtype, kernel fn, XLA fn, [(cfg, impl)])."""
+    T = Q.TileConfig
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    g = 4.0
+    mx = (lambda x, ci: Q.mxfp8(x, config=ci[0], impl=ci[1]), jax.jit(P.quantize_mxfp8))
+    nv = (lambda x, ci: Q.nvfp4(x, global_amax=g, config=ci[0], impl=ci[1]),
+          jax.jit(lambda x: P.quantize_nvfp4(x, global_amax=g)))
+    both = [(T(), "v1"), (T(), "v2")]
+    out = [
+        ("nvfp4", (32768, 4096), bf16, *nv, both + [(T(stages=4), "v2"), (T(ctas_per_sm=1), "v2")]),
+        ("nvfp4", (8192, 8192), f32, *nv, both),
+        ("mxfp8", (32768, 4096), bf16, *mx, both + [(T(stages=4), "v2")]),
+    ]
+    return [c for c in out if c[0] in kernels]
+
+
 def cases(quick: bool, kernels=KERNELS):
     """(kernel name, shape, input dtype, kernel fn, XLA fn, kernel configs to try), only for `kernels`."""
+    if set(kernels) <= {"nvfp4", "mxfp8"} and not quick:
+        return ab_cases(kernels)
     T = Q.TileConfig
     tok_cfgs = [T(), T(stages=4), T(rows=128, ctas_per_sm=1), T(division="div_rn"), T(division="divf")]
     tok_f32 = [T(), T(stages=4)]
@@ -153,7 +176,9 @@ def cases(quick: bool, kernels=KERNELS):
     mx = (lambda x, cfg: Q.mxfp8(x, config=cfg), jax.jit(P.quantize_mxfp8))
     blk = (lambda x, cfg: Q.fp8_per_block(x, config=cfg), jax.jit(P.quantize_fp8_per_block))
     g = 4.0  # a given global amax (the kernel path the rollout uses)
-    nv = (lambda x, cfg: Q.nvfp4(x, global_amax=g, config=cfg), jax.jit(lambda x: P.quantize_nvfp4(x, global_amax=g)))
+    # impl v2 divides with Markstein only; the division variants time v1
+    nv = (lambda x, cfg: Q.nvfp4(x, global_amax=g, config=cfg, impl="v2" if cfg.division == "markstein" else "v1"),
+          jax.jit(lambda x: P.quantize_nvfp4(x, global_amax=g)))
     out = [
         ("fp8_per_token_group", (32768, 4096), bf16, *tok, tok_cfgs),
         ("fp8_per_token_group", (4096, 4096), bf16, *tok, tok_cfgs[:1]),
@@ -174,7 +199,13 @@ def cases(quick: bool, kernels=KERNELS):
 
 
 def config_dict(cfg) -> dict:  # rows None = the kernel's default (8192 // group; 128 x 128 blocks)
-    return {"rows": cfg.rows, "stages": cfg.stages, "ctas_per_sm": cfg.ctas_per_sm, "division": cfg.division}
+    impl = None
+    if isinstance(cfg, tuple):  # (TileConfig, impl) from ab_cases
+        cfg, impl = cfg
+    d = {"rows": cfg.rows, "stages": cfg.stages, "ctas_per_sm": cfg.ctas_per_sm, "division": cfg.division}
+    if impl is not None:
+        d["impl"] = impl
+    return d
 
 
 def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True) -> None:
@@ -217,7 +248,7 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True)
                 row = {**base, "impl": "pallas", "config": config_dict(cfg), "error": repr(e)[:500]}
             rows.append(row)
             c = row["config"]
-            tag = f"r{c['rows'] or 'auto'} s{c['stages']} c{c['ctas_per_sm']} {c['division']}"
+            tag = f"r{c['rows'] or 'auto'} s{c['stages']} c{c['ctas_per_sm']} {c['division']} {c.get('impl', '')}"
             if "error" in row:
                 print(f"{name:20s} {str(shape):18s} pallas {tag}: ERROR {row['error'][:300]}", flush=True)
             else:

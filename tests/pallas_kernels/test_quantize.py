@@ -120,18 +120,20 @@ def test_per_token_group_rejects_bad_input():
 # ---- MXFP8 --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("impl", ["v2", "v1"])
 @pytest.mark.parametrize("shape,in_dtype", [((3, 100), F32), ((2, 4, 256), BF16)])
-def test_mxfp8_interpret(shape, in_dtype):
+def test_mxfp8_interpret(shape, in_dtype, impl):
     x = rand(shape, 11, in_dtype)
-    q, e = Q.mxfp8(x, interpret=True)
+    q, e = Q.mxfp8(x, interpret=True, impl=impl)
     rq, re = P.quantize_mxfp8(x)
     assert_same(e, re, "scale byte")
     assert_same(q, rq, "q")
 
 
-def test_mxfp8_edge_cases_interpret():
+@pytest.mark.parametrize("impl", ["v2", "v1"])
+def test_mxfp8_edge_cases_interpret(impl):
     x = edge_cases()
-    q, e = Q.mxfp8(x, interpret=True)
+    q, e = Q.mxfp8(x, interpret=True, impl=impl)
     rq, re = P.quantize_mxfp8(x)
     assert_same(e, re, "scale byte")
     assert_same(q, rq, "q")
@@ -210,9 +212,10 @@ def test_nvfp4_f32_saturating_many_tiles_interpret():
         assert_same(a, b, n)
 
 
-def test_nvfp4_edge_cases_interpret():
+@pytest.mark.parametrize("impl", ["v2", "v1"])
+def test_nvfp4_edge_cases_interpret(impl):
     x = edge_cases()
-    packed, bs, g = Q.nvfp4(x, interpret=True)
+    packed, bs, g = Q.nvfp4(x, interpret=True, impl=impl)
     rp, rbs, rg = P.quantize_nvfp4(x)
     assert_same(g, rg, "global scale")
     assert_same(bs, rbs, "block scale")
@@ -225,6 +228,83 @@ def test_nvfp4_unsupported_options_fail_clearly():
         Q.nvfp4(x, four_over_six=True, interpret=True)
     with pytest.raises(ValueError, match="global_amax shape"):
         Q.nvfp4(x, global_amax=jnp.ones((2, 1)), interpret=True)
+
+
+def e2m1_boundary_values():
+    """Every E2M1 grid point and midpoint (tie), its float32 neighbours, saturation, zeros, subnormals, +-inf."""
+    pts = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 1e30]
+    vals = []
+    for p in pts:
+        b = np.array([p], np.float32).view(np.uint32)[0].astype(np.int64)
+        vals.extend(np.arange(max(b - 2, 0), b + 3).astype(np.uint32).view(np.float32).tolist())
+    vals += [1e-45, 1e-40, 1.1754942e-38, np.inf]
+    v = np.array(vals, np.float32)
+    return np.concatenate([v, -v])
+
+
+def test_e2m1_code_bits_equals_thresholds():
+    """C.e2m1_code (the v2 kernel's bit formula) == precision.nvfp4.e2m1_codes(clip(y)) on ~4M float32 values."""
+    from jax import lax
+
+    from pallas_kernels.quantize_common import JnpOps, e2m1_code
+
+    rng = np.random.default_rng(0)
+    u = [e2m1_boundary_values().view(np.uint32)]
+    for p in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 1.0, 2.0, 4.0):  # 2000 float32 neighbours each side
+        b = int(np.array([p], np.float32).view(np.uint32)[0])
+        u.append(np.arange(b - 2000, b + 2000, dtype=np.uint32))
+    u.append(rng.integers(0, 0x41000000, 1_000_000, dtype=np.uint32))  # all magnitudes up to 8
+    u.append(rng.integers(0, 1 << 32, 1_000_000, dtype=np.uint64).astype(np.uint32))  # any bits (both signs)
+    u = np.concatenate(u)
+    u = u[~np.isnan(u.view(np.float32))]  # the kernels never see NaN here (a NaN block has d = NaN: code 0)
+    y = jnp.asarray(u.view(np.float32))
+    got = np.asarray(e2m1_code(lax.bitcast_convert_type(y, jnp.uint32), JnpOps))
+    want = np.asarray(P.nvfp4.e2m1_codes(jnp.clip(y, -6.0, 6.0))).astype(np.uint32)
+    bad = got != want
+    assert not bad.any(), f"{int(bad.sum())} differ, e.g. y={u[bad][:4].view(np.float32)}: {got[bad][:4]} vs {want[bad][:4]}"
+
+
+def _nvfp4_boundary_input(rows=48):
+    """Blocks whose x / d hit every E2M1 boundary exactly (and as float32 neighbours): amax 6 so bs*g = 1."""
+    v = e2m1_boundary_values()
+    v = v[np.isfinite(v)]
+    v = np.clip(v, -6.0, 6.0)
+    rng = np.random.default_rng(3)
+    x = np.zeros((rows, 64), np.float32)
+    flat = np.resize(v, (rows * 4, 15))
+    blocks = np.concatenate([np.full((rows * 4, 1), 6.0, np.float32), flat], axis=1)  # amax 6 per block
+    blocks = blocks[:, rng.permutation(16)]
+    x[:] = blocks.reshape(rows, 64)
+    x[-1, :16] = 0.0  # an all-zero block (d == 0)
+    x[-1, 16:32] = -0.0
+    x[-2, 5] = np.nan
+    x[-2, 40] = np.inf
+    return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("impl", ["v2", "v1"])
+def test_nvfp4_e2m1_boundaries_interpret(impl):
+    """With global amax 6 * 448 the block scale of an amax-6 block is 448 and d = 448 * g = 1: x / d is x itself,
+    so every tie and float32 neighbour of the E2M1 grid reaches the code step exactly."""
+    x = _nvfp4_boundary_input()
+    for gam in (6.0 * 448.0, None, 3.0):  # d = 1 exactly; the tensor amax; saturating scales
+        got = Q.nvfp4(x, global_amax=gam, interpret=True, impl=impl)
+        want = P.quantize_nvfp4(x, global_amax=gam)
+        for a, b, n in zip(got, want, ("packed", "block scale", "global")):
+            assert_same(a, b, f"{n} (global_amax={gam}, impl={impl})")
+
+
+@pytest.mark.parametrize("shape,in_dtype,global_amax", [((1, 16), BF16, None), ((2, 3, 40), F32, "per_expert"),
+                                                        ((5, 33), BF16, 0.5)])
+def test_nvfp4_v1_interpret(shape, in_dtype, global_amax):
+    """The kept v1 kernel still equals the contract (M = 1, 3-D with per-expert scales, a partial block)."""
+    x = rand(shape, 2, in_dtype, spread=False) * 2
+    if global_amax == "per_expert":
+        global_amax = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1)
+    for impl in ("v1", "v2"):
+        got = Q.nvfp4(x, global_amax=global_amax, interpret=True, impl=impl)
+        for a, b, n in zip(got, P.quantize_nvfp4(x, global_amax=global_amax), ("packed", "block scale", "global")):
+            assert_same(a, b, f"{n} impl={impl}")
 
 
 def test_divide_rows_interpret_is_ieee():
@@ -321,10 +401,11 @@ def test_gpu_per_block(shape, in_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["v2", "v1"])
 @pytest.mark.parametrize("shape,in_dtype", [((4096, 4096), BF16), ((5, 333, 96), F32), ((1, 32), BF16)])
-def test_gpu_mxfp8(shape, in_dtype):
+def test_gpu_mxfp8(shape, in_dtype, impl):
     x = rand(shape, 6, in_dtype)
-    q, e = Q.mxfp8(x)
+    q, e = Q.mxfp8(x, impl=impl)
     rq, re = _cpu_reference(P.quantize_mxfp8, x)
     assert_same(e, re, "scale byte")
     assert_same(q, rq, "q")
@@ -335,22 +416,54 @@ def test_gpu_mxfp8(shape, in_dtype):
     "shape,in_dtype,per_expert",
     [((4096, 4096), BF16, False), ((8, 768, 2048), BF16, True), ((3, 40, 48), F32, True), ((1000, 1000), F32, False)],
 )
-def test_gpu_nvfp4(shape, in_dtype, per_expert):
+@pytest.mark.parametrize("impl", ["v2", "v1"])
+def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
     x = rand(shape, 8, in_dtype, spread=False)
     gam = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1) if per_expert else None
-    got = Q.nvfp4(x, global_amax=gam)
+    got = Q.nvfp4(x, global_amax=gam, impl=impl)
     want = _cpu_reference(P.quantize_nvfp4, x, global_amax=gam)
     for a, b, n in zip(got, want, ("packed", "block scale", "global")):
         assert_same(a, b, n)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("division", ["markstein", "div_rn"])
+@pytest.mark.parametrize("impl,division", [("v2", "markstein"), ("v1", "markstein"), ("v1", "div_rn")])
 @pytest.mark.parametrize("stages", [2, 4])
-def test_gpu_nvfp4_f32_saturating_many_tiles(division, stages):
-    """The benchmark's failing float32 case at a quarter of its size: many tiles per CTA, saturated block scales."""
+def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
+    """The benchmark's float32 case at a quarter of its size: many tiles per CTA, saturated block scales (it
+    once differed from the contract, whose jitted scale chain XLA had rewritten; see decision record 0001)."""
     x = _bench_pattern((4096, 4096), 0)
-    got = Q.nvfp4(x, global_amax=4.0, config=Q.TileConfig(stages=stages, division=division))
+    got = Q.nvfp4(x, global_amax=4.0, impl=impl, config=Q.TileConfig(stages=stages, division=division))
     want = _cpu_reference(P.quantize_nvfp4, x, global_amax=4.0)
     for a, b, n in zip(got, want, ("packed", "block scale", "global")):
-        assert_same(a, b, f"{n} (division={division}, stages={stages})")
+        assert_same(a, b, f"{n} (impl={impl}, division={division}, stages={stages})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype", [F32, BF16])
+def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype):
+    """The v2 kernel on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack."""
+    x = _nvfp4_boundary_input(256).astype(in_dtype)
+    for gam in (6.0 * 448.0, None, 3.0):
+        got = Q.nvfp4(x, global_amax=gam, impl="v2")
+        want = _cpu_reference(P.quantize_nvfp4, x, global_amax=gam)
+        for a, b, n in zip(got, want, ("packed", "block scale", "global")):
+            assert_same(a, b, f"{n} (global_amax={gam})")
+    e = jnp.concatenate([edge_cases(8, 512), rand((120, 512), 9)], axis=0).astype(in_dtype)
+    for a, b, n in zip(Q.nvfp4(e, impl="v2"), _cpu_reference(P.quantize_nvfp4, e), ("packed", "block scale", "global")):
+        assert_same(a, b, f"edge cases {n}")
+    for shape in ((1, 48), (3, 40, 48), (4, 256, 1024)):
+        x = rand(shape, 12, in_dtype, spread=False) * 5
+        gam = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1) if len(shape) == 3 else None
+        got = Q.nvfp4(x, global_amax=gam, impl="v2")
+        for a, b, n in zip(got, _cpu_reference(P.quantize_nvfp4, x, global_amax=gam), ("packed", "block scale", "global")):
+            assert_same(a, b, f"{shape} {n}")
+
+
+@pytest.mark.gpu
+def test_gpu_nvfp4_v2_saturating_many_tiles():
+    """The float32 benchmark pattern (given amax 4.0, many tiles per CTA) through v2."""
+    x = _bench_pattern((4096, 4096), 0)
+    for a, b, n in zip(Q.nvfp4(x, global_amax=4.0, impl="v2"), _cpu_reference(P.quantize_nvfp4, x, global_amax=4.0),
+                       ("packed", "block scale", "global")):
+        assert_same(a, b, n)

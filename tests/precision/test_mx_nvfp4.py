@@ -129,3 +129,49 @@ def test_quantized_weight_roundtrip_and_activation(fmt):
     xh = np.asarray(P.quantize_dequantize_activation(x, fmt))
     assert np.linalg.norm(xh - x) / np.linalg.norm(x) < {"fp8-block": 0.04, "mxfp8": 0.04, "nvfp4": 0.15}[fmt]
     np.testing.assert_array_equal(np.asarray(P.quantize_dequantize_activation(x, "bf16", dtype=jnp.float32)), x)
+
+
+# A block whose e4m3 scale sits at a tie only one rounding away: (amax / 6) / g = 200.00002 rounds up to
+# 208, while the product form amax / (6 * g) = 199.99998 rounds down to 192. XLA's algebraic simplifier
+# rewrites the first into the second unless the contract stops it; eager dispatch never shows it.
+_TIE_BLOCK = [0xBF077BD3, 0x3D851FB3, 0xBF72566F, 0x3EE10633, 0xBF8EFC8B, 0x3F263569, 0xBF827BF3, 0x3E8A6477,
+              0xBF7B9E0D, 0x3F3BCBEB, 0x3FE4924A, 0x3E899B96, 0xBF4F295B, 0xBFA21A8C, 0xBF358D1D, 0x3F98FEC7]
+
+
+@pytest.mark.parametrize("fos", [False, True])
+def test_nvfp4_jitted_keeps_the_two_scale_divisions(fos):
+    """Jitted (as every caller runs it) == eager == the numpy statement, on the tie block and random blocks."""
+    import jax
+
+    tie = np.array(_TIE_BLOCK, np.uint32).view(np.float32)
+    x = np.concatenate([tie[None], rand((63, 16), 5, spread=False) * np.float32(2.0)]).reshape(16, 64)
+    rc, rbs, rg = R.nvfp4(x, global_amax=np.float32(4.0), four_over_six=fos)
+    run = lambda a: P.quantize_nvfp4(a, global_amax=4.0, four_over_six=fos)
+    for packed, bs, g in (jax.jit(run)(x), run(x)):
+        assert_bitwise(g, rg)
+        assert_bitwise(bs, rbs)
+        np.testing.assert_array_equal(np.asarray(NV.unpack_nibbles(packed)), rc)
+    if not fos:
+        assert np.asarray(jax.jit(run)(x)[1]).view(np.uint8)[0, 0] == 0x75  # 208, the correctly rounded scale
+
+
+@pytest.mark.parametrize("which", ["token_group", "block", "mxfp8", "nvfp4"])
+def test_quantizers_jitted_equal_numpy(which):
+    """The jitted quantizers against the numpy statement on random data (the other tests run them eagerly)."""
+    import jax
+
+    x = rand((64, 256), 17) * np.float32(5.0)
+    if which == "token_group":
+        got, want = jax.jit(lambda a: P.quantize_fp8_per_token_group(a, 128))(x), R.fp8_group(x, 128, np.dtype(jnp.float8_e4m3fn), pow2=False)
+    elif which == "block":
+        got, want = jax.jit(lambda a: P.quantize_fp8_per_block(a, (128, 128)))(x), R.fp8_block(x, 128, 128, np.dtype(jnp.float8_e4m3fn), pow2=False)
+    elif which == "mxfp8":
+        q, e = jax.jit(lambda a: P.quantize_mxfp8(a, 32))(x)
+        rq, rs = R.fp8_group(x, 32, np.dtype(jnp.float8_e4m3fn), pow2=True)
+        got, want = (q, np.exp2(np.asarray(e, np.float64) - 127).astype(np.float32)), (rq, rs)
+    else:
+        packed, bs, g = jax.jit(P.quantize_nvfp4)(x)
+        rc, rbs, rg = R.nvfp4(x)
+        got, want = (NV.unpack_nibbles(packed), bs, g), (rc, rbs, rg)
+    for a, b in zip(got, want):
+        assert_bitwise(a, b)

@@ -44,8 +44,15 @@ def _weight_nk(w) -> tuple[int, int]:
     return tuple((w.shape if hasattr(w, "shape") else jnp.shape(w))[-2:])
 
 
-def _forward(x, w, fmt, backend):
-    """Returns (y float32 [M, N], the quantized operands the backward may reuse)."""
+_GEMM_OUT_DTYPES = (jnp.dtype(BF16), jnp.dtype(jnp.float16), jnp.dtype(F32))
+
+
+def _forward(x, w, fmt, backend, out_dtype=F32):
+    """Returns (y [M, N], the quantized operands the backward may reuse).
+
+    y is float32 except for fp8-block, whose GEMM writes `out_dtype` directly: the same bits as float32 then
+    a round-to-nearest-even cast (the kernel's epilogue and XLA's convert are both RNE), without the float32
+    [M, N] round trip through HBM."""
     n, k = _weight_nk(w)
     if fmt == F.BF16:
         return dot_nt_f32(x.astype(BF16), jnp.asarray(w).astype(BF16)), None
@@ -53,25 +60,21 @@ def _forward(x, w, fmt, backend):
         be = backends.resolve(backend, fmt, n, k)
         xq, sa = O.fp8_act(x, be)
         wq, sb = O.fp8_weight(w, be)
-        return backends.block_scaled_matmul(xq, sa, wq, sb, backend=be), (xq, sa, wq, sb)
+        gemm_out = out_dtype if jnp.dtype(out_dtype) in _GEMM_OUT_DTYPES else F32
+        return backends.block_scaled_matmul(xq, sa, wq, sb, backend=be, out_dtype=gemm_out), (xq, sa, wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
     return dot_nt_f32(xd, wd), (xd, wd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _linear(x, w, fmt, backward, backend, out_dtype):
-    return _forward(x, w, fmt, backend)[0].astype(out_dtype)
+    return _forward(x, w, fmt, backend, out_dtype)[0].astype(out_dtype)
 
 
 def _linear_fwd(x, w, fmt, backward, backend, out_dtype):
-    y, fwd_ops = _forward(x, w, fmt, backend)
+    y, fwd_ops = _forward(x, w, fmt, backend, out_dtype)
     keep = fwd_ops if (backward == "dequantized" or (backward == "fp8" and fmt == F.FP8_BLOCK)) else None
     return y.astype(out_dtype), (x, w, keep)
-
-
-def _pad_rows(a, multiple):
-    pad = (-a.shape[0]) % multiple
-    return jnp.pad(a, [(0, pad), (0, 0)]) if pad else a
 
 
 def fp8_backward(g, x, wq, sb, backend, dx_dtype=F32):
@@ -85,10 +88,10 @@ def fp8_backward(g, x, wq, sb, backend, dx_dtype=F32):
     be = backends.resolve(backend, F.FP8_BLOCK, k, n)
     gq, sg = O.fp8_act(g, be)
     dx = backends.block_scaled_matmul(gq, sg, wq.T, sb.T, backend=be, out_dtype=dx_dtype)
-    gp, xp = _pad_rows(g, 128), _pad_rows(x, 128)
-    be = backends.resolve(backend, F.FP8_BLOCK, k, gp.shape[0])
-    gtq, sgt = O.fp8_act(gp.T, be)
-    xtq, sxt = O.fp8_act(xp.T, be)
+    mp = -(-m // 128) * 128  # wgrad contracts over M, zero-padded to whole 128-row groups
+    be = backends.resolve(backend, F.FP8_BLOCK, k, mp)
+    gtq, sgt = O.fp8_act_transposed(g, be)  # == fp8_act(pad_rows(g, 128).T), without the transposed copy
+    xtq, sxt = O.fp8_act_transposed(x, be)
     dw = backends.block_scaled_matmul(gtq, sgt, xtq, sxt, b_rows_per_scale=1, backend=be)
     return dx, dw
 

@@ -71,11 +71,6 @@ def _rows_in_groups(a, gs):
     return jnp.where(live[:, None], a, jnp.zeros_like(a))
 
 
-def _pad_cols(a, multiple):
-    pad = (-a.shape[1]) % multiple
-    return jnp.pad(a, [(0, 0), (0, pad)]) if pad else a
-
-
 def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
     x, w, gs, kept = res
     e, n, k = w.shape
@@ -86,8 +81,8 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
         gq, sg = O.fp8_act(g, be)
         dx = backends.grouped_block_scaled_matmul(gq, sg, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(sb, 1, 2), gs, backend=be)
         xm = _rows_in_groups(x, gs)
-        gtq, sgt = O.fp8_act(_pad_cols(g.T, 128), be)
-        xtq, sxt = O.fp8_act(_pad_cols(xm.T, 128), be)
+        gtq, sgt = O.fp8_act_transposed(g, be)
+        xtq, sxt = O.fp8_act_transposed(xm, be)
         dw = grouping.grouped_wgrad_fp8(gtq, sgt, xtq, sxt, gs, e)
     else:
         a, b = O.backward_operands(backward, fmt, x, w, kept)

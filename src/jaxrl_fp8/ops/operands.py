@@ -56,6 +56,22 @@ def fp8_act(x, backend: str | None = None):
     return quantize_fp8_per_token_group(x, F.FP8_ACT_GROUP)
 
 
+def fp8_act_transposed(x, backend: str | None = None):
+    """x [M, K] -> 1x128 FP8 groups of pad_rows(x, 128).T along M: (q [K, Mp], scale [K, Mp/128]) (wgrad operands).
+
+    Exactly `quantize_fp8_per_token_group(pad_rows(x, 128).T, 128)`; on the Mosaic backend one Pallas kernel
+    that never writes the transpose to HBM (pallas_kernels/quantize_transposed.py, bitwise equal).
+    """
+    if _use_kernel(x, backend):
+        from pallas_kernels import quantize_transposed as KT
+
+        if KT.supports(x):
+            return KT.fp8_transposed_per_token_group(x, F.FP8_ACT_GROUP)
+    pad = (-x.shape[0]) % F.FP8_ACT_GROUP
+    xp = jnp.pad(x, [(0, pad), (0, 0)]) if pad else x
+    return fp8_act(xp.T, backend)
+
+
 def fp8_weight(w, backend: str | None = None):
     """(q, 128x128 scale_inv) of a master weight or an fp8-block QuantizedWeight."""
     if isinstance(w, QuantizedWeight):

@@ -73,7 +73,7 @@ def _expand_global(g, ndim: int):
 
 
 def _encode_blocks(xb, bamax, g, target):
-    bs = jnp.minimum(ieee_div(ieee_div(bamax, target), g), E4M3_MAX).astype(jnp.float8_e4m3fn)
+    bs = jnp.minimum(ieee_div(ieee_div(bamax, target), g), E4M3_MAX).astype(jnp.float8_e4m3fn)  # two roundings (ieee_div)
     d = fp8_to_f32(bs) * g  # not bs.astype(F32): XLA:GPU would drop the f32 -> e4m3 -> f32 rounding (arith.fp8_to_f32)
     ok = d > 0
     y = ieee_div(xb, jnp.where(ok, d, 1.0)[..., None])
