@@ -17,12 +17,8 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
-import os
 import platform
-import statistics
 import sys
-import tempfile
 import time
 import traceback
 
@@ -34,23 +30,9 @@ from jaxrl_fp8 import ops
 from jaxrl_fp8.ops import reference as R
 from jaxrl_fp8.precision.fp8 import quantize_fp8_per_block, quantize_fp8_per_token_group
 from pallas_kernels import gemm_dense, gemm_grouped
+from timing import bench, write_results  # this folder is on sys.path when the script runs
 
 ANCHORS = {"xla_bf16_8192": 783, "cublas_fp8_blockwise_8192": 1284, "xla_fp8_nt_8192": 1530, "mosaic_fp8_unscaled_8192": 1465, "ragged_dot_mgpu_bf16_gate_up": 420, "ragged_dot_mgpu_bf16_down": 294}
-
-
-def bench(fn, *args, iters=20, warmup=3, reps=5):
-    """Per-call time (s): `iters` back-to-back calls timed together (no host sync or clock drop between
-    them), repeated `reps` times; returns (median, min) over the repetitions."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        out = [fn(*args) for _ in range(iters)]
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / iters)
-        del out
-    return statistics.median(times), min(times)
 
 
 def rand(key, shape, dtype, scale=1.0):
@@ -216,13 +198,7 @@ def main(argv=None):
         linear_fwd_bwd_suite(16384, 2048, 4096, "attn_o M16384")
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, python=platform.python_version(), anchors_reference_md=ANCHORS,
                 timing="median over 5 repetitions of 20 back-to-back jitted calls (wall clock / 20) after 3 warm-ups", time=time.strftime("%Y-%m-%d %H:%M:%S"))
-    out = dict(meta=meta, results=RESULTS)
-    d = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(out, fh, indent=1)
-    os.replace(tmp, args.out)
+    write_results(args.out, dict(meta=meta, results=RESULTS))
     print("wrote", args.out)
 
 

@@ -26,18 +26,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import platform
-import statistics
 import sys
-import tempfile
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import timing  # noqa: E402  (this folder is on sys.path when the script runs)
 from jax import lax
 
 from jaxrl_fp8 import ops
@@ -54,16 +51,7 @@ RESULTS: list[dict] = []
 
 
 def bench(fn, *args, iters, reps, warmup=2):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        out = [fn(*args) for _ in range(iters)]
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / iters)
-        del out
-    return statistics.median(times), min(times)
+    return timing.bench(fn, *args, iters=iters, reps=reps, warmup=warmup)
 
 
 def nbytes(*arrays) -> int:
@@ -245,13 +233,7 @@ def main(argv=None):
                 timing=f"median (and min) over {reps} repetitions of {iters} back-to-back jitted calls after 2 warm-ups",
                 bytes="inputs once + outputs once (GB/s rows)", time=time.strftime("%Y-%m-%d %H:%M:%S"),
                 wall_s=time.perf_counter() - t0)
-    out = dict(meta=meta, results=RESULTS)
-    d = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(out, fh, indent=1)
-    os.replace(tmp, args.out)
+    timing.write_results(args.out, dict(meta=meta, results=RESULTS))
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)")
 
 

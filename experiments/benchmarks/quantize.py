@@ -24,12 +24,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import timing  # noqa: E402  (this folder is on sys.path when the script runs)
 
 from jaxrl_fp8 import precision as P
 from pallas_kernels import quantize as Q
@@ -39,16 +39,7 @@ MiB = 1 << 20
 
 def time_call(fn, *args, reps: int = 5, inner: int = 10) -> float:
     """Median seconds per call: `inner` calls enqueued back to back (async dispatch hides launch cost)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(inner)]
-        jax.block_until_ready(outs)
-        samples.append((time.perf_counter() - t0) / inner)
-        del outs
-    return statistics.median(samples)
+    return timing.bench(fn, *args, iters=inner, reps=reps, warmup=2)[0]
 
 
 def nbytes(tree) -> int:
