@@ -101,3 +101,16 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, back
     return gemm_grouped.grouped_block_scaled_matmul(
         a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype, interpret=backend == "interpret"
     )
+
+
+def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, backend: str):
+    """FP8 grouped weight gradient [E, N, K] float32 (operands quantized 1x128 along M)."""
+    if backend == "xla":
+        from jaxrl_fp8.ops import grouping
+
+        return grouping.grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups)
+    from pallas_kernels import gemm_grouped_wgrad
+
+    return gemm_grouped_wgrad.grouped_wgrad_fp8(
+        dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups, interpret=backend == "interpret"
+    )

@@ -83,7 +83,7 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
         xm = _rows_in_groups(x, gs)
         gtq, sgt = O.fp8_act_transposed(g, be)
         xtq, sxt = O.fp8_act_transposed(xm, be)
-        dw = grouping.grouped_wgrad_fp8(gtq, sgt, xtq, sxt, gs, e)
+        dw = backends.grouped_wgrad_fp8(gtq, sgt, xtq, sxt, gs, e, backend=be_fwd)  # [E, N, K]: the weight's shape
     else:
         a, b = O.backward_operands(backward, fmt, x, w, kept)
         dx = _bf16_dot(g, b, gs, backend, layout="kn")

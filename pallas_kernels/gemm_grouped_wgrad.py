@@ -1,0 +1,138 @@
+"""Grouped (MoE) FP8 weight gradient for Hopper: dw[g] = dy[rows of g]^T . x[rows of g], block-scaled.
+
+Operands as `jaxrl_fp8.ops.grouping.grouped_wgrad_fp8` takes them: dyt_q [N, M] and xt_q [K, M] e4m3, quantized
+1x128 along M (the contraction) with scales [N, M/128] and [K, M/128]. A 128-row quantization group may
+straddle two experts; each expert must then see only its own rows of it.
+
+Layout: the M axis is re-cut into work items (one per (expert, 128-row block) pair that shares a row, at most
+M/128 + E, `gemm_grouped.work_items`). One XLA gather builds the item-major operands, dyt with the other
+expert's rows zeroed in each item, so every expert's contraction is one contiguous run of whole 128-wide
+blocks. The kernel then runs the dense kernel's tile routine in column-scale mode (acc += p * (sa[n] * sb[k])
+per block, in item order) with a pipeline whose length is that expert's item count (a dynamic grid). Empty
+experts get zeros. The gather moves ~(N + K) * (M + 128 E) bytes of FP8 once, instead of the XLA path's
+scan of M/128 + E small block-scaled GEMMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gemm_dense import (
+    BLOCK_K,
+    F32,
+    GemmConfig,
+    _out_smem,
+    launch_persistent,
+    scaled_tile_pipeline,
+    tile_store,
+    zero_acc,
+)
+from pallas_kernels.gemm_grouped import BLOCK, GROUP, OFFSET, SIZE, work_items
+
+DEFAULT = GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
+
+
+def _item_operands(dyt_q, dyt_scale, xt_q, xt_scale, items):
+    """Item-major operands: [N, T*128] (other experts' rows zeroed), [K, T*128], scales [T, N] and [T, K]."""
+    n, m = dyt_q.shape
+    t = items.shape[1]
+    mb = -(-m // BLOCK_K)
+    pad = mb * BLOCK_K - m
+    blocks = items[BLOCK]
+    lane = jnp.arange(BLOCK_K, dtype=jnp.int32)
+    keep = (lane >= items[OFFSET][:, None]) & (lane < (items[OFFSET] + items[SIZE])[:, None]) & (items[GROUP] >= 0)[:, None]
+
+    def gather(q):
+        bits = lax.bitcast_convert_type(jnp.pad(q, [(0, 0), (0, pad)]), jnp.uint8).reshape(q.shape[0], mb, BLOCK_K)
+        return jnp.take(bits, blocks, axis=1)  # [rows, T, 128]
+
+    a = jnp.where(keep[None], gather(dyt_q), jnp.uint8(0))  # 0x00 is +0.0 in e4m3
+    b = gather(xt_q)
+    to_fp8 = lambda u: lax.bitcast_convert_type(u.reshape(u.shape[0], t * BLOCK_K), jnp.float8_e4m3fn)
+    sa = jnp.take(jnp.asarray(dyt_scale, F32), blocks, axis=1).T
+    sb = jnp.take(jnp.asarray(xt_scale, F32), blocks, axis=1).T
+    return to_fp8(a), to_fp8(b), sa, sb
+
+
+def _ranges(items, num_groups: int):
+    """Per expert: first item and item count (items are ordered by expert)."""
+    used = (items[SIZE] > 0) & (items[GROUP] >= 0)
+    counts = jnp.zeros((num_groups,), jnp.int32).at[jnp.where(used, items[GROUP], num_groups)].add(1, mode="drop")
+    return jnp.stack([jnp.cumsum(counts) - counts, counts])
+
+
+def _kernel(ranges_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, num_items: int):
+    e, n, k = o_gmem.shape
+    cta_m, tn = 2 * cfg.tile_m, cfg.tile_n
+    m_iters, n_iters = n // cta_m, k // tn
+    width = num_items * BLOCK_K
+    static_allocations, _ = scaled_tile_pipeline(cfg, num_items, row_scales=False)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=static_allocations(a_gmem, b_gmem, sa_gmem, sb_gmem.at[:, pl.ds(0, tn)]),
+        out_smem=_out_smem(cfg, o_gmem.dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        @plgpu.nd_loop((e * m_iters * n_iters,), collective_axes="sm")
+        def _tiles(info):
+            g = info.index[0] // (m_iters * n_iters)
+            mi, ni = plgpu.planar_snake(info.index[0] % (m_iters * n_iters), (m_iters, n_iters), cfg.grid_minor_dim,
+                                        cfg.grid_tile_width)
+            first, count = ranges_gmem[0, g], ranges_gmem[1, g]
+            ms, ns = pl.ds(mi * cta_m, cta_m), pl.ds(ni * tn, tn)
+            store = tile_store(o_gmem.at[g, ms, ns], out_smem, cfg.tile_m)
+
+            @pl.when(count > 0)
+            def _():
+                # The expert's items are one contiguous run; the slices reach past the array end only in
+                # steps the dynamic pipeline never fetches.
+                ks, kb = pl.ds(first * BLOCK_K, width), pl.ds(first, num_items)
+                _, run = scaled_tile_pipeline(cfg, count, row_scales=False)
+                run(a_gmem.at[ms, ks], b_gmem.at[ns, ks], sa_gmem.at[kb, ms], sb_gmem.at[kb, ns], store, allocs)
+
+            @pl.when(count == 0)
+            def _():
+                wg = lax.axis_index("wg")
+
+                @pl.when(wg < 2)
+                def _():
+                    store(zero_acc(cfg.tile_m, tn), wg)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, interpret: bool = False,
+                      config: GemmConfig | None = None):
+    """float32 [E, N, K]; same contract as `jaxrl_fp8.ops.grouping.grouped_wgrad_fp8`. N, K multiples of 128."""
+    where = "gemm_grouped_wgrad.grouped_wgrad_fp8"
+    n, m = dyt_q.shape
+    k = xt_q.shape[0]
+    if xt_q.shape[1] != m:
+        raise ValueError(f"{where}: dyt_q {dyt_q.shape} and xt_q {xt_q.shape} must share the M axis")
+    if n % 128 or k % 128:
+        raise ValueError(f"{where}: N and K must be multiples of 128; got N={n}, K={k}")
+    if dyt_q.dtype != jnp.float8_e4m3fn or xt_q.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"{where}: operands must be float8_e4m3fn; got {dyt_q.dtype}, {xt_q.dtype}")
+    mb = -(-m // BLOCK_K)
+    if dyt_scale.shape != (n, mb) or xt_scale.shape != (k, mb):
+        raise ValueError(f"{where}: scales must be [N, M/128] and [K, M/128] = {(n, mb)}, {(k, mb)}; got "
+                         f"{dyt_scale.shape}, {xt_scale.shape}")
+    if group_sizes.shape != (num_groups,):
+        raise ValueError(f"{where}: group_sizes must be [{num_groups}]; got {group_sizes.shape}")
+    cfg = config or DEFAULT
+    if cfg.k_blocks_per_step != 1:
+        cfg = dataclasses.replace(cfg, k_blocks_per_step=1)  # an expert's block count may be odd
+    items = work_items(group_sizes, m, BLOCK_K)
+    a, b, sa, sb = _item_operands(dyt_q, dyt_scale, xt_q, xt_scale, items)
+    kernel = functools.partial(_kernel, cfg=cfg, num_items=items.shape[1])
+    out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
+    return launch_persistent(kernel, out, _ranges(items, num_groups), a, b, sa, sb, interpret=interpret)
