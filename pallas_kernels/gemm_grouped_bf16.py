@@ -54,47 +54,74 @@ def _transforms(dtype):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(items_gmem, a_gmem, b_gmem, o_gmem, *, cfg: Bf16GroupedConfig, layout: str):
-    c = a_gmem.shape[1]
-    o = b_gmem.shape[1] if layout == "nk" else b_gmem.shape[2]
+def tile_pipeline(cfg: Bf16GroupedConfig, k_iters, layout: str, dtype):
+    """The per-output-tile routine of the BF16 kernels: (allocations(a, b), run(a_rows, b_rows, store, allocs)).
+
+    a_rows [2*tile_m, C], b_rows [tile_n, C] ("nk") or [C, tile_n] ("kn"); store(acc, wg) writes one compute
+    warpgroup's float32 [tile_m, tile_n] result. `k_iters` (64-wide K tiles) may be a traced value.
+    """
     tm, tn = cfg.tile_m, cfg.tile_n
-    cta_m = 2 * tm
-    t_iters, n_iters, k_iters = items_gmem.shape[1], o // tn, c // TILE_K
-    transforms = _transforms(a_gmem.dtype)
+    transforms = _transforms(dtype)
     if layout == "nk":
         b_spec = plgpu.BlockSpec((tn, TILE_K), lambda s: (0, s), transforms=transforms)
     else:
         b_spec = plgpu.BlockSpec((TILE_K, tn), lambda s: (s, 0), transforms=transforms)
 
-    def pipeline(body, compute_context):
+    def make(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
             memory_registers=40,
-            in_specs=[plgpu.BlockSpec((cta_m, TILE_K), lambda s: (0, s), transforms=transforms), b_spec],
+            in_specs=[plgpu.BlockSpec((2 * tm, TILE_K), lambda s: (0, s), transforms=transforms), b_spec],
             wg_axis="wg",
             num_compute_wgs=2,
             max_concurrent_steps=cfg.max_concurrent_steps,
             compute_context=compute_context,
         )
 
+    def allocations(a, b):
+        ignore = lambda *_, **__: None
+        return make(ignore, ignore).get_allocations(a, b)
+
+    def run(a_rows, b_rows, store, allocs):
+        wg = lax.axis_index("wg")
+        rows = pl.ds(wg * tm, tm)
+
+        def body(_, a_smem, b_smem, acc_ref):
+            plgpu.wgmma(acc_ref, a_smem.at[rows], b_smem.transpose((1, 0)) if layout == "nk" else b_smem)
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+        def compute_context(eval_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), F32))
+            def _(acc_ref):
+                eval_pipeline(acc_ref)
+                store(acc_ref[...], wg)
+
+        make(body, compute_context)(a_rows, b_rows, allocations=allocs)
+
+    return allocations, run
+
+
+def _kernel(items_gmem, a_gmem, b_gmem, o_gmem, *, cfg: Bf16GroupedConfig, layout: str):
+    c = a_gmem.shape[1]
+    o = b_gmem.shape[1] if layout == "nk" else b_gmem.shape[2]
+    tm, tn = cfg.tile_m, cfg.tile_n
+    cta_m = 2 * tm
+    t_iters, n_iters = items_gmem.shape[1], o // tn
+    allocations, run = tile_pipeline(cfg, c // TILE_K, layout, a_gmem.dtype)
+
     def b_tile(g, ni):
         ns = pl.ds(ni * tn, tn)
         return b_gmem.at[g, ns] if layout == "nk" else b_gmem.at[g, :, ns]
 
-    ignore = lambda *_, **__: None
-    allocs_of = pipeline(ignore, ignore).get_allocations(a_gmem.at[pl.ds(0, cta_m)], b_tile(0, 0))
-
     @functools.partial(
         pl.run_scoped,
-        allocs=allocs_of,
+        allocs=allocations(a_gmem.at[pl.ds(0, cta_m)], b_tile(0, 0)),
         out_smem=plgpu.SMEM((2, tm, tn), o_gmem.dtype),  # unswizzled: masked stores start at any row
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
-        wg = lax.axis_index("wg")
-        rows = pl.ds(wg * tm, tm)
-
         @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm")
         def _tiles(info):
             ti, ni = plgpu.planar_snake(info.index[0], (t_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
@@ -102,24 +129,14 @@ def _kernel(items_gmem, a_gmem, b_gmem, o_gmem, *, cfg: Bf16GroupedConfig, layou
             out_block = o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * tn, tn)]
             store = masked_store(out_block, out_smem, tm, offset, size)
 
-            def body(_, a_smem, b_smem, acc_ref):
-                b = b_smem.transpose((1, 0)) if layout == "nk" else b_smem
-                plgpu.wgmma(acc_ref, a_smem.at[rows], b)
-                plgpu.wgmma_wait(0)
-                return acc_ref
-
-            def compute_context(eval_pipeline):
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), F32))
-                def _(acc_ref):
-                    eval_pipeline(acc_ref)
-                    store(acc_ref[...], wg)
-
             @pl.when((size > 0) & (g >= 0))
             def _():
-                pipeline(body, compute_context)(a_gmem.at[pl.ds(blk * cta_m, cta_m)], b_tile(g, ni), allocations=allocs)
+                run(a_gmem.at[pl.ds(blk * cta_m, cta_m)], b_tile(g, ni), store, allocs)
 
             @pl.when((size > 0) & (g < 0))
             def _():
+                wg = lax.axis_index("wg")
+
                 @pl.when(wg < 2)
                 def _():
                     store(zero_acc(tm, tn), wg)

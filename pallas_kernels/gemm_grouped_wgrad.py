@@ -1,4 +1,4 @@
-"""Grouped (MoE) FP8 weight gradient for Hopper: dw[g] = dy[rows of g]^T . x[rows of g], block-scaled.
+"""Grouped (MoE) weight gradients for Hopper: dw[g] = dy[rows of g]^T . x[rows of g], FP8 block-scaled or BF16.
 
 Operands as `jaxrl_fp8.ops.grouping.grouped_wgrad_fp8` takes them: dyt_q [N, M] and xt_q [K, M] e4m3, quantized
 1x128 along M (the contraction) with scales [N, M/128] and [K, M/128]. A 128-row quantization group may
@@ -11,6 +11,9 @@ blocks. The kernel then runs the dense kernel's tile routine in column-scale mod
 per block, in item order) with a pipeline whose length is that expert's item count (a dynamic grid). Empty
 experts get zeros. The gather moves ~(N + K) * (M + 128 E) bytes of FP8 once, instead of the XLA path's
 scan of M/128 + E small block-scaled GEMMs.
+
+`grouped_wgrad_bf16(dy, x, ...)` is the same scheme for BF16 operands (the BF16 recipes' and the
+high-precision backward's wgrad), with the BF16 grouped kernel's tile routine and no scales.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pallas_kernels.gemm_dense import (
     tile_store,
     zero_acc,
 )
+from pallas_kernels import gemm_grouped_bf16
 from pallas_kernels.gemm_grouped import BLOCK, GROUP, OFFSET, SIZE, work_items
 
 DEFAULT = GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
@@ -136,3 +140,78 @@ def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups:
     kernel = functools.partial(_kernel, cfg=cfg, num_items=items.shape[1])
     out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
     return launch_persistent(kernel, out, _ranges(items, num_groups), a, b, sa, sb, interpret=interpret)
+
+
+def _item_rows(a, items, mask: bool):
+    """a [M, C] -> [C, T*128]: item t holds rows block_t*128 ... +128 (zeroed outside its group if `mask`)."""
+    m, c = a.shape
+    mb = -(-m // BLOCK_K)
+    blocks = jnp.take(jnp.pad(a, [(0, mb * BLOCK_K - m), (0, 0)]).reshape(mb, BLOCK_K, c), items[BLOCK], axis=0)
+    if mask:
+        lane = jnp.arange(BLOCK_K, dtype=jnp.int32)
+        keep = (lane >= items[OFFSET][:, None]) & (lane < (items[OFFSET] + items[SIZE])[:, None]) & (items[GROUP] >= 0)[:, None]
+        blocks = jnp.where(keep[..., None], blocks, jnp.zeros((), a.dtype))
+    return jnp.transpose(blocks, (2, 0, 1)).reshape(c, -1)
+
+
+def _bf16_kernel(ranges_gmem, a_gmem, b_gmem, o_gmem, *, cfg, num_items: int):
+    e, n, k = o_gmem.shape
+    cta_m, tn = 2 * cfg.tile_m, cfg.tile_n
+    m_iters, n_iters = n // cta_m, k // tn
+    width = num_items * BLOCK_K
+    per_item = BLOCK_K // gemm_grouped_bf16.TILE_K
+    allocations, _ = gemm_grouped_bf16.tile_pipeline(cfg, num_items * per_item, "nk", a_gmem.dtype)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=allocations(a_gmem.at[pl.ds(0, cta_m)], b_gmem.at[pl.ds(0, tn)]),
+        out_smem=_out_smem(cfg, o_gmem.dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        @plgpu.nd_loop((e * m_iters * n_iters,), collective_axes="sm")
+        def _tiles(info):
+            g = info.index[0] // (m_iters * n_iters)
+            mi, ni = plgpu.planar_snake(info.index[0] % (m_iters * n_iters), (m_iters, n_iters), cfg.grid_minor_dim,
+                                        cfg.grid_tile_width)
+            first, count = ranges_gmem[0, g], ranges_gmem[1, g]
+            ms, ns = pl.ds(mi * cta_m, cta_m), pl.ds(ni * tn, tn)
+            store = tile_store(o_gmem.at[g, ms, ns], out_smem, cfg.tile_m)
+
+            @pl.when(count > 0)
+            def _():
+                ks = pl.ds(first * BLOCK_K, width)  # past the end only in steps the pipeline never fetches
+                _, run = gemm_grouped_bf16.tile_pipeline(cfg, count * per_item, "nk", a_gmem.dtype)
+                run(a_gmem.at[ms, ks], b_gmem.at[ns, ks], store, allocs)
+
+            @pl.when(count == 0)
+            def _():
+                wg = lax.axis_index("wg")
+
+                @pl.when(wg < 2)
+                def _():
+                    store(zero_acc(cfg.tile_m, tn), wg)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool = False,
+                       config: gemm_grouped_bf16.Bf16GroupedConfig | None = None):
+    """float32 [E, N, K] = per expert dy[rows]^T . x[rows] with BF16 operands; dy [M, N], x [M, K] sorted by
+    expert, rows past sum(group_sizes) ignored. N and K multiples of 128 (`ops.grouping.grouped_wgrad`'s contract)."""
+    where = "gemm_grouped_wgrad.grouped_wgrad_bf16"
+    m, n = dy.shape
+    if x.ndim != 2 or x.shape[0] != m:
+        raise ValueError(f"{where}: dy {dy.shape} and x {x.shape} must be [M, N] and [M, K]")
+    k = x.shape[1]
+    if n % 128 or k % 128:
+        raise ValueError(f"{where}: N and K must be multiples of 128; got N={n}, K={k}")
+    if group_sizes.shape != (num_groups,):
+        raise ValueError(f"{where}: group_sizes must be [{num_groups}]; got {group_sizes.shape}")
+    cfg = config or gemm_grouped_bf16.Bf16GroupedConfig()
+    items = work_items(group_sizes, m, BLOCK_K)
+    a = _item_rows(dy.astype(jnp.bfloat16), items, mask=True)
+    b = _item_rows(x.astype(jnp.bfloat16), items, mask=False)
+    kernel = functools.partial(_bf16_kernel, cfg=cfg, num_items=items.shape[1])
+    out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
+    return launch_persistent(kernel, out, _ranges(items, num_groups), a, b, interpret=interpret)

@@ -134,6 +134,7 @@ def moe_suite(configs, quick):
                 f = jax.jit(functools.partial(GB.grouped_matmul, out_dtype=jnp.bfloat16, config=bcfg))
                 record(f"ours_grouped_bf16 {name}", (m, n, k, e), flops, bench(f, x16, w16, sizes), config=str(bcfg))
             try_run(f"ours_grouped_bf16 {name} {bcfg}", ours_bf16)
+        wgrad_suite(name, m, n, k, e, sizes)
         xq, sa = quantize_fp8_per_token_group(x16, 128)
         wq, sb = quantize_fp8_per_block(w16, (128, 128))
         for cfg in configs:
@@ -144,6 +145,32 @@ def moe_suite(configs, quick):
                 err = check_rows(y[:s0], xq[:s0], sa[:s0], wq[0], sb[0])
                 record(f"ours_grouped {name} {cfg_label(cfg)}", (m, n, k, e), flops, bench(f, xq, sa, wq, sb, sizes), err=f"relerr={err:.2e}", config=str(cfg))
             try_run(f"ours_grouped {name} {cfg}", one)
+
+
+def wgrad_suite(name, m, n, k, e, sizes):
+    """MoE weight gradient dw[g] = dy[rows]^T x[rows] ([E, N, K]): our FP8 and BF16 kernels vs transposed_ragged_dot_mgpu."""
+    from pallas_kernels import gemm_grouped_wgrad as GW
+
+    flops = 2 * m * n * k
+    dy16, x16 = rand(9, (m, n), jnp.bfloat16), rand(10, (m, k), jnp.bfloat16)
+
+    def mgpu():
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as T
+        f = jax.jit(functools.partial(T.transposed_ragged_dot, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1))
+        record(f"transposed_ragged_dot_mgpu_bf16 wgrad {name}", (m, n, k, e), flops, bench(lambda a, b, g: f(a, b, group_sizes=g), dy16, x16, sizes))
+    try_run(f"transposed_ragged_dot_mgpu {name}", mgpu)
+
+    def ours_bf16():
+        f = jax.jit(functools.partial(GW.grouped_wgrad_bf16, num_groups=e))
+        record(f"ours_grouped_wgrad_bf16 {name}", (m, n, k, e), flops, bench(f, dy16, x16, sizes))
+    try_run(f"ours_grouped_wgrad_bf16 {name}", ours_bf16)
+
+    def ours_fp8():
+        dq, ds = quantize_fp8_per_token_group(dy16.T, 128)
+        xq, xs = quantize_fp8_per_token_group(x16.T, 128)
+        f = jax.jit(functools.partial(GW.grouped_wgrad_fp8, num_groups=e))
+        record(f"ours_grouped_wgrad_fp8 {name}", (m, n, k, e), flops, bench(f, dq, ds, xq, xs, sizes))
+    try_run(f"ours_grouped_wgrad_fp8 {name}", ours_fp8)
 
 
 def linear_fwd_bwd_suite(m, n, k, label):

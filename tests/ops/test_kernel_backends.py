@@ -54,7 +54,7 @@ def test_interpret_grouped_matches_xla():
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
 def test_interpret_bf16_grouped_kernel_forward_and_grads_match_xla(fmt):
     """BF16 expert GEMMs (bf16, and the emulated formats' dequantized operands) through the BF16 grouped
-    kernel: forward and data gradient from the kernel, weight gradient from the XLA path."""
+    kernels: forward, data gradient and weight gradient."""
     x, w = _data(7, 150, 128, 256, e=3)
     gs = jnp.asarray([40, 0, 100], jnp.int32)
     c = jnp.asarray(np.random.default_rng(8).standard_normal((150, 128)), jnp.float32)

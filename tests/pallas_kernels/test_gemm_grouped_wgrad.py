@@ -44,6 +44,22 @@ def test_interpret_matches_xla_path_and_float64(m, sizes):
             assert np.all(got[g] == 0)
 
 
+@pytest.mark.parametrize("m,sizes", [(300, [0, 129, 0, 150, 0]), (256, [3, 5, 100, 20, 128]), (1, [0, 1, 0])])
+def test_interpret_bf16_matches_xla_path_and_float64(m, sizes):
+    rng = np.random.default_rng(m)
+    n, k, e = 128, 256, len(sizes)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(W.grouped_wgrad_bf16(dy, x, gs, e, interpret=True))
+    assert R.rel_err(got, grouping.grouped_wgrad(dy, x, gs, e)) < 1e-6
+    bf = lambda a: np.asarray(a.astype(jnp.bfloat16), np.float64)
+    assert R.rel_err(got, R.grouped_wgrad(bf(dy), bf(x), gs, e)) < 1e-6
+    for g, s in enumerate(sizes):
+        if s == 0:
+            assert np.all(got[g] == 0)
+
+
 def test_clear_errors():
     dq, ds, xq, xs = _operands(0, 64, 128, 128)
     gs = jnp.asarray([64], jnp.int32)
@@ -53,6 +69,22 @@ def test_clear_errors():
         W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 2, interpret=True)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         W.grouped_wgrad_fp8(dq.astype(jnp.float32), ds, xq, xs, gs, 1, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768)])
+def test_gpu_bf16_moe_shapes(n, k):
+    e, m = 16, 4000
+    rng = np.random.default_rng(k)
+    sizes = rng.multinomial(m - 100, np.ones(e) / e)
+    sizes[5] += sizes[3]
+    sizes[3] = 0
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(W.grouped_wgrad_bf16(dy, x, gs, e))
+    assert R.rel_err(got, R.grouped_wgrad(dy, x, gs, e)) < 1e-5
+    assert np.all(got[3] == 0)
 
 
 @pytest.mark.gpu

@@ -67,6 +67,29 @@ def resolve_bf16_grouped(backend: str | None, out_width: int, contraction: int) 
     return backend
 
 
+def resolve_bf16_grouped_wgrad(backend: str | None, n: int, k: int) -> str:
+    """The backend of one BF16 grouped weight gradient [E, N, K] (the kernel needs N, K multiples of 128)."""
+    check_backend(backend)
+    ok = n % 128 == 0 and k % 128 == 0
+    if backend is None:
+        return "mosaic" if default_device_is_hopper() and ok else "xla"
+    if backend != "xla" and not ok:
+        raise ValueError(f"backend {backend!r}: the Pallas grouped wgrad kernel needs N and K multiples of 128, got "
+                         f"N={n}, K={k}; use backend='xla' (or None)")
+    return backend
+
+
+def bf16_grouped_wgrad(dy, x, group_sizes, num_groups: int, *, backend: str):
+    """float32 [E, N, K] = per expert dy[rows]^T . x[rows], BF16 operands."""
+    if backend == "xla":
+        from jaxrl_fp8.ops import grouping
+
+        return grouping.grouped_wgrad(dy, x, group_sizes, num_groups)
+    from pallas_kernels import gemm_grouped_wgrad
+
+    return gemm_grouped_wgrad.grouped_wgrad_bf16(dy, x, group_sizes, num_groups, interpret=backend == "interpret")
+
+
 def bf16_grouped_matmul(x, w, group_sizes, *, backend: str, layout: str = "nk"):
     """float32 [M, O] = x . w[g]^T ("nk", w [E, O, C]) or x . w[g] ("kn", w [E, C, O]), BF16 operands."""
     bf16 = jax.numpy.bfloat16

@@ -87,7 +87,7 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
     else:
         a, b = O.backward_operands(backward, fmt, x, w, kept)
         dx = _bf16_dot(g, b, gs, backend, layout="kn")
-        dw = grouping.grouped_wgrad(g, a, gs, e)
+        dw = backends.bf16_grouped_wgrad(g, a, gs, e, backend=backends.resolve_bf16_grouped_wgrad(backend, n, k))
     return dx.astype(x.dtype), O.master_cotangent(w, dw), None
 
 
