@@ -145,9 +145,11 @@ def ab_cases(kernels):
           jax.jit(lambda x: P.quantize_nvfp4(x, global_amax=g)))
     both = [(T(), "v1"), (T(), "v2")]
     out = [
-        ("nvfp4", (32768, 4096), bf16, *nv, both + [(T(stages=4), "v2"), (T(ctas_per_sm=1), "v2")]),
+        # v2 is compute-bound with 2 warps per scheduler at 2 CTAs/SM: more resident CTAs hide its latency chains
+        ("nvfp4", (32768, 4096), bf16, *nv, both + [(T(stages=4), "v2"), (T(ctas_per_sm=1), "v2"), (T(ctas_per_sm=4), "v2"),
+                                                    (T(rows=256, ctas_per_sm=4), "v2"), (T(rows=128, ctas_per_sm=8), "v2")]),
         ("nvfp4", (8192, 8192), f32, *nv, both),
-        ("mxfp8", (32768, 4096), bf16, *mx, both + [(T(stages=4), "v2")]),
+        ("mxfp8", (32768, 4096), bf16, *mx, both + [(T(stages=4), "v2"), (T(ctas_per_sm=4), "v2")]),
     ]
     return [c for c in out if c[0] in kernels]
 
