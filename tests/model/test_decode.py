@@ -167,3 +167,15 @@ def test_replayed_gate_weights_come_from_own_router(norm):
     if norm:
         w = w / w.sum(1, keepdims=True)
     np.testing.assert_allclose(np.asarray(r.weights), w, rtol=1e-6)
+
+
+def test_logits_at_equals_full_logits_bitwise(policy):
+    """The prefill's last-position-only head gives the same bits as the full forward's logits there."""
+    ids = jnp.asarray(_ids(3), jnp.int32)
+    full = np.asarray(policy.forward(ids, precision="rollout").logits)
+    at = jnp.asarray([T - 1, 2], jnp.int32)
+    graphdef, state = nnx.split(policy.model)
+    model = nnx.merge(graphdef, state)
+    part = np.asarray(model(ids, policy=policy.resolve_precision("rollout"), logits_at=at).logits)
+    assert part.shape == (B, 1, CFG.vocab_size)
+    np.testing.assert_array_equal(part[:, 0], full[np.arange(B), np.asarray(at)])

@@ -223,6 +223,7 @@ class Qwen3(nnx.Module):
         backward: str = "high_precision",
         token_mask: jax.Array | None = None,
         moe_impl=None,
+        logits_at: jax.Array | None = None,
     ) -> ModelOutput:
         """Forward over input_ids [B, T].
 
@@ -235,6 +236,9 @@ class Qwen3(nnx.Module):
         backward: ops backward mode ("high_precision", "dequantized", "fp8").
         token_mask: [B, T] tokens counted by the load-balancing loss (default all).
         moe_impl: expert-parallel MoE from `jaxrl_fp8.sharding.make_moe_impl` (None: single-device dispatch).
+        logits_at: [B] int, one position per row: logits only there ([B, 1, V]; a prefill needs only the last
+            prompt position, not B * T * V floats). The values equal those of the full logits (row-invariant
+            norm and head).
         """
         cfg = self.cfg
         b, t = input_ids.shape
@@ -264,6 +268,8 @@ class Qwen3(nnx.Module):
             else:
                 routed.append(routing.experts.reshape(b, t, k))
                 stats.append(moe_lib.load_balancing_stats(routing, cfg.num_experts, token_mask))
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)
         x = rms_norm(x, self.final_norm.scale.get_value(), cfg.rms_norm_eps)
         head = self.embed.embedding.get_value() if cfg.tie_word_embeddings else self.lm_head.weight.get_value()
         logits = matmul.high_precision_linear(x, head.astype(x.dtype), F32)

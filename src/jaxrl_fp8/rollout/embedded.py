@@ -211,9 +211,9 @@ def _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows: _Rows, c
     cache = init_cache(cfg, b, cache_len, dtype)
     if placement is not None:
         cache = placement.constrain_cache(cache)
-    out = model(prompt_ids, cache=cache, policy=precision, moe_impl=_moe_impl(placement))
+    out = model(prompt_ids, cache=cache, policy=precision, moe_impl=_moe_impl(placement), logits_at=prompt_lens - 1)
     cache = KVCache(out.cache.k, out.cache.v, prompt_lens)
-    last = jnp.take_along_axis(out.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    last = out.logits[:, 0]
     k = out.routed_experts.shape[-1]
     tokens = jnp.zeros((b, max_new), jnp.int32)
     logprobs = jnp.zeros((b, max_new), jnp.float32)
