@@ -55,22 +55,23 @@ def _trainer_logprobs(policy, samples, temperatures, precision="train", replay=F
 _CACHE = {}
 
 
-def _rollout(recipe_name):
-    """(policy, samples) per recipe; memoized so the module compiles each program once."""
-    if recipe_name not in _CACHE:
-        policy = random_policy(CFG, seed=3, dtype="float32", recipe=get_recipe(recipe_name))
+def _rollout(recipe_name, dtype="float32"):
+    """(policy, samples) per (recipe, parameter dtype); memoized so the module compiles each program once."""
+    if (recipe_name, dtype) not in _CACHE:
+        policy = random_policy(CFG, seed=3, dtype=dtype, recipe=get_recipe(recipe_name))
         engine = EmbeddedEngine(policy, **ENGINE_KW)
-        _CACHE[recipe_name] = policy, engine.generate(PROMPTS, PARAMS, return_routed_experts=True)
-    return _CACHE[recipe_name]
+        _CACHE[recipe_name, dtype] = policy, engine.generate(PROMPTS, PARAMS, return_routed_experts=True)
+    return _CACHE[recipe_name, dtype]
 
 
 def _bits(x):
     return np.asarray(x, np.float32).view(np.uint32)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
-def test_unified_rollout_logprobs_equal_trainer_bitwise(recipe):
-    policy, samples = _rollout(recipe)
+@pytest.mark.parametrize("recipe,dtype", [("bf16", "float32"), ("fp8_block", "float32"), ("bf16", "bfloat16")])
+def test_unified_rollout_logprobs_equal_trainer_bitwise(recipe, dtype):
+    """float32 masters (the trainer's default) and bfloat16 parameters (a BF16 checkpoint served as is)."""
+    policy, samples = _rollout(recipe, dtype)
     lengths = [s.response_ids.size for s in samples]
     reasons = [s.finish_reason for s in samples]
     assert "stop" in reasons and "length" in reasons, reasons
