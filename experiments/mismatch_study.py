@@ -369,9 +369,11 @@ def device_name() -> tuple[str, str]:
 
 
 def run_study(sizes: Sequence[SizeSpec], recipe_names: Sequence[str], settings: StudySettings, *, progress: bool = True,
-              log=print) -> dict:
+              log=print, on_size=None) -> dict:
     """Measure every (size, recipe, R3 on/off). Recipes sharing a rollout format share one rollout (the
-    engine's output depends only on the rollout side), so each size rolls out once per rollout format."""
+    engine's output depends only on the rollout side), so each size rolls out once per rollout format.
+    on_size(result so far) runs after each size (the CLI writes its outputs then: a run cut short by a
+    device time limit keeps every size it finished)."""
     import jaxrl_fp8  # noqa: F401  (first: it sets the XLA flags the contract needs before JAX starts a backend)
     import jax
     from tqdm import tqdm
@@ -412,7 +414,15 @@ def run_study(sizes: Sequence[SizeSpec], recipe_names: Sequence[str], settings: 
                     bar.update(1)
         log(f"{spec.name}: {n_total / 1e6:.2f}M params, {time.time() - t0:.1f}s")
         del model
+        if on_size is not None:
+            on_size(_result(size_rows, rows, recipe_names, settings, t_start))
     bar.close()
+    return _result(size_rows, rows, recipe_names, settings, t_start)
+
+
+def _result(size_rows, rows, recipe_names, settings: StudySettings, t_start: float) -> dict:
+    import jax
+
     dev, kind = device_name()
     return {
         "meta": {
@@ -423,8 +433,8 @@ def run_study(sizes: Sequence[SizeSpec], recipe_names: Sequence[str], settings: 
                        "target_entropy (see calibrate)",
             "prompts": f"{settings.num_prompts} prompts of {settings.prompt_len} uniform random tokens, numpy seed {settings.seed}",
         },
-        "sizes": size_rows,
-        "results": rows,
+        "sizes": list(size_rows),
+        "results": list(rows),
     }
 
 
@@ -666,10 +676,12 @@ def main(argv=None) -> int:
         import jax
 
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(args.compile_cache))
-    result = run_study(sizes, recipes, settings, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
-    if previous is not None:
-        result = merge_results(previous, result)
-    for path in write_outputs(result, out).values():
+    def save(result):
+        return write_outputs(merge_results(previous, result) if previous is not None else result, out)
+
+    result = run_study(sizes, recipes, settings, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
+                       on_size=save)
+    for path in save(result).values():
         print(path)
     return 0
 

@@ -30,7 +30,11 @@ SETTINGS = study.StudySettings(num_prompts=4, prompt_len=8, max_new_tokens=8, se
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     smallest = study.SIZE_PRESETS["tiny"][0]
-    res = study.run_study([smallest], ["fp8_block", "bf16_train_fp8_rollout"], SETTINGS, progress=False, log=lambda m: None)
+    partial = []
+    res = study.run_study([smallest], ["fp8_block", "bf16_train_fp8_rollout"], SETTINGS, progress=False, log=lambda m: None,
+                          on_size=partial.append)
+    # the per-size callback (the CLI saves there) saw the finished size with all its rows
+    assert len(partial) == 1 and partial[0]["sizes"] == res["sizes"] and partial[0]["results"] == res["results"]
     paths = study.write_outputs(res, str(tmp_path_factory.mktemp("study")))
     return res, paths
 
