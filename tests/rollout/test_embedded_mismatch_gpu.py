@@ -1,0 +1,48 @@
+"""On the H200: how far unified recipes are from bitwise rollout == trainer, against the mixed recipe.
+
+On CPU the unified recipes are bitwise (test_embedded_mismatch.py). On the GPU the Pallas GEMMs are row
+invariant, but the router / lm_head float32 dots (cuBLAS) and XLA's attention are not guaranteed to be, so
+this measures instead of assuming: the unified recipes' worst |dlogp| must stay far below the mixed
+recipe's mean, and the numbers are printed (run with -s) for the closing note.
+"""
+
+import numpy as np
+import pytest
+
+from jaxrl_fp8.model import random_policy, tiny_config
+from jaxrl_fp8.precision import get_recipe
+from jaxrl_fp8.rollout import sampling
+from jaxrl_fp8.rollout.embedded import EmbeddedEngine
+from jaxrl_fp8.rollout.types import SamplingParams
+
+# Kernel-sized layers (N, K multiples of 128) so the Mosaic GEMMs and quantizers run, not the XLA fallbacks.
+CFG = tiny_config(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=64, intermediate_size=1024, moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
+                  mlp_only_layers=(1,), attention_impl="xla")
+
+
+def _mismatch(recipe_name):
+    policy = random_policy(CFG, seed=5, dtype="float32", recipe=get_recipe(recipe_name))
+    engine = EmbeddedEngine(policy, max_batch=16, max_seq_len=96)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, CFG.vocab_size, (16, 32)).tolist()
+    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=48, ignore_eos=True, seed=3))
+    length = max(s.token_ids.size for s in samples)
+    ids = np.zeros((len(samples), length), np.int32)
+    for i, s in enumerate(samples):
+        ids[i, : s.token_ids.size] = s.token_ids
+    out = policy.forward(ids, precision="train")
+    lp = np.asarray(sampling.token_logprobs(out.logits, np.roll(ids, -1, axis=1), np.ones(ids.shape, np.float32)))
+    d = np.concatenate([lp[i, s.prompt_ids.size - 1 : s.prompt_ids.size - 1 + s.response_ids.size] - s.rollout_logprobs
+                        for i, s in enumerate(samples)])
+    return np.abs(d), float(np.mean(d == 0))
+
+
+@pytest.mark.gpu
+def test_gpu_unified_recipes_far_closer_than_mixed():
+    mixed, _ = _mismatch("bf16_train_fp8_rollout")
+    for name in ("bf16", "fp8_block"):
+        d, bitwise = _mismatch(name)
+        print(f"\n{name}: max |dlogp| {d.max():.3e}, mean {d.mean():.3e}, bitwise tokens {100 * bitwise:.1f}% "
+              f"(mixed recipe mean {mixed.mean():.3e}) over {d.size} tokens")
+        assert d.max() < 0.1 * mixed.mean(), (name, d.max(), mixed.mean())
