@@ -191,6 +191,15 @@ def zero_acc(tm: int, tn: int):
     return plgpu.layout_cast(jnp.zeros((tm, tn), F32), plgpu.Layout.WGMMA)
 
 
+def zero_fill(store, tm: int, tn: int):
+    """Both compute warpgroups store a zero tile through `store` (outputs no MMA contributes to)."""
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < 2)
+    def _():
+        store(zero_acc(tm, tn), wg)
+
+
 def _out_smem(cfg: GemmConfig, out_dtype):
     return plgpu.SMEM((2, cfg.tile_m, cfg.tile_n), out_dtype, transforms=_swizzle_transforms(cfg.tile_n, out_dtype))
 

@@ -15,7 +15,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -30,7 +29,7 @@ from pallas_kernels.gemm_dense import (
     scaled_tile_pipeline,
     tile_scales,
     uses_row_scales,
-    zero_acc,
+    zero_fill,
 )
 
 # Rows of the work-item table (int32 [4, T]).
@@ -119,11 +118,7 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
 
             @pl.when((size > 0) & (g < 0))
             def _():
-                wg = lax.axis_index("wg")
-
-                @pl.when(wg < 2)
-                def _():
-                    masked_store(out_rows.at[pl.ds(blk * cta_m, cta_m)], out_smem, tm, offset, size)(zero_acc(tm, tn), wg)
+                zero_fill(masked_store(out_rows.at[pl.ds(blk * cta_m, cta_m)], out_smem, tm, offset, size), tm, tn)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

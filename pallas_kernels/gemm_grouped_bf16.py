@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gemm_dense import F32, launch_persistent, zero_acc
+from pallas_kernels.gemm_dense import F32, launch_persistent, zero_fill
 from pallas_kernels.gemm_grouped import BLOCK, GROUP, OFFSET, SIZE, masked_store, work_items
 
 TILE_K = 64  # 64 bf16 = 128 bytes: the widest swizzle
@@ -135,11 +135,7 @@ def _kernel(items_gmem, a_gmem, b_gmem, o_gmem, *, cfg: Bf16GroupedConfig, layou
 
             @pl.when((size > 0) & (g < 0))
             def _():
-                wg = lax.axis_index("wg")
-
-                @pl.when(wg < 2)
-                def _():
-                    store(zero_acc(tm, tn), wg)
+                zero_fill(store, tm, tn)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -35,12 +35,18 @@ from pallas_kernels.gemm_dense import (
     launch_persistent,
     scaled_tile_pipeline,
     tile_store,
-    zero_acc,
+    zero_fill,
 )
 from pallas_kernels import gemm_grouped_bf16
 from pallas_kernels.gemm_grouped import BLOCK, GROUP, OFFSET, SIZE, work_items
 
 DEFAULT = GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
+
+
+def _own_rows(items):
+    """bool [T, 128]: which rows of item t's 128-row block belong to item t's expert."""
+    lane = jnp.arange(BLOCK_K, dtype=jnp.int32)
+    return (lane >= items[OFFSET][:, None]) & (lane < (items[OFFSET] + items[SIZE])[:, None]) & (items[GROUP] >= 0)[:, None]
 
 
 def _item_operands(dyt_q, dyt_scale, xt_q, xt_scale, items):
@@ -50,8 +56,7 @@ def _item_operands(dyt_q, dyt_scale, xt_q, xt_scale, items):
     mb = -(-m // BLOCK_K)
     pad = mb * BLOCK_K - m
     blocks = items[BLOCK]
-    lane = jnp.arange(BLOCK_K, dtype=jnp.int32)
-    keep = (lane >= items[OFFSET][:, None]) & (lane < (items[OFFSET] + items[SIZE])[:, None]) & (items[GROUP] >= 0)[:, None]
+    keep = _own_rows(items)
 
     def gather(q):
         bits = lax.bitcast_convert_type(jnp.pad(q, [(0, 0), (0, pad)]), jnp.uint8).reshape(q.shape[0], mb, BLOCK_K)
@@ -72,46 +77,51 @@ def _ranges(items, num_groups: int):
     return jnp.stack([jnp.cumsum(counts) - counts, counts])
 
 
-def _kernel(ranges_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, num_items: int):
+def _expert_tiles(ranges_gmem, o_gmem, out_smem, cfg, run_tile):
+    """Walk the [E, N, K] output tiles (persistent grid): run_tile(first item, item count, N rows, K cols,
+    store) for experts that own rows, zeros for the others."""
     e, n, k = o_gmem.shape
     cta_m, tn = 2 * cfg.tile_m, cfg.tile_n
     m_iters, n_iters = n // cta_m, k // tn
-    width = num_items * BLOCK_K
+
+    @plgpu.nd_loop((e * m_iters * n_iters,), collective_axes="sm")
+    def _tiles(info):
+        g = info.index[0] // (m_iters * n_iters)
+        mi, ni = plgpu.planar_snake(info.index[0] % (m_iters * n_iters), (m_iters, n_iters), cfg.grid_minor_dim,
+                                    cfg.grid_tile_width)
+        first, count = ranges_gmem[0, g], ranges_gmem[1, g]
+        ms, ns = pl.ds(mi * cta_m, cta_m), pl.ds(ni * tn, tn)
+        store = tile_store(o_gmem.at[g, ms, ns], out_smem, cfg.tile_m)
+
+        @pl.when(count > 0)
+        def _():
+            # The expert's items are one contiguous run; operand slices starting there reach past the array
+            # end only in steps the dynamic-length pipeline never fetches.
+            run_tile(first, count, ms, ns, store)
+
+        @pl.when(count == 0)
+        def _():
+            zero_fill(store, cfg.tile_m, tn)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _kernel(ranges_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, num_items: int):
     static_allocations, _ = scaled_tile_pipeline(cfg, num_items, row_scales=False)
 
     @functools.partial(
         pl.run_scoped,
-        allocs=static_allocations(a_gmem, b_gmem, sa_gmem, sb_gmem.at[:, pl.ds(0, tn)]),
+        allocs=static_allocations(a_gmem, b_gmem, sa_gmem, sb_gmem.at[:, pl.ds(0, cfg.tile_n)]),
         out_smem=_out_smem(cfg, o_gmem.dtype),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
-        @plgpu.nd_loop((e * m_iters * n_iters,), collective_axes="sm")
-        def _tiles(info):
-            g = info.index[0] // (m_iters * n_iters)
-            mi, ni = plgpu.planar_snake(info.index[0] % (m_iters * n_iters), (m_iters, n_iters), cfg.grid_minor_dim,
-                                        cfg.grid_tile_width)
-            first, count = ranges_gmem[0, g], ranges_gmem[1, g]
-            ms, ns = pl.ds(mi * cta_m, cta_m), pl.ds(ni * tn, tn)
-            store = tile_store(o_gmem.at[g, ms, ns], out_smem, cfg.tile_m)
+        def run_tile(first, count, ms, ns, store):
+            ks, kb = pl.ds(first * BLOCK_K, num_items * BLOCK_K), pl.ds(first, num_items)
+            _, run = scaled_tile_pipeline(cfg, count, row_scales=False)
+            run(a_gmem.at[ms, ks], b_gmem.at[ns, ks], sa_gmem.at[kb, ms], sb_gmem.at[kb, ns], store, allocs)
 
-            @pl.when(count > 0)
-            def _():
-                # The expert's items are one contiguous run; the slices reach past the array end only in
-                # steps the dynamic pipeline never fetches.
-                ks, kb = pl.ds(first * BLOCK_K, width), pl.ds(first, num_items)
-                _, run = scaled_tile_pipeline(cfg, count, row_scales=False)
-                run(a_gmem.at[ms, ks], b_gmem.at[ns, ks], sa_gmem.at[kb, ms], sb_gmem.at[kb, ns], store, allocs)
-
-            @pl.when(count == 0)
-            def _():
-                wg = lax.axis_index("wg")
-
-                @pl.when(wg < 2)
-                def _():
-                    store(zero_acc(cfg.tile_m, tn), wg)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        _expert_tiles(ranges_gmem, o_gmem, out_smem, cfg, run_tile)
 
 
 def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, interpret: bool = False,
@@ -148,51 +158,27 @@ def _item_rows(a, items, mask: bool):
     mb = -(-m // BLOCK_K)
     blocks = jnp.take(jnp.pad(a, [(0, mb * BLOCK_K - m), (0, 0)]).reshape(mb, BLOCK_K, c), items[BLOCK], axis=0)
     if mask:
-        lane = jnp.arange(BLOCK_K, dtype=jnp.int32)
-        keep = (lane >= items[OFFSET][:, None]) & (lane < (items[OFFSET] + items[SIZE])[:, None]) & (items[GROUP] >= 0)[:, None]
-        blocks = jnp.where(keep[..., None], blocks, jnp.zeros((), a.dtype))
+        blocks = jnp.where(_own_rows(items)[..., None], blocks, jnp.zeros((), a.dtype))
     return jnp.transpose(blocks, (2, 0, 1)).reshape(c, -1)
 
 
 def _bf16_kernel(ranges_gmem, a_gmem, b_gmem, o_gmem, *, cfg, num_items: int):
-    e, n, k = o_gmem.shape
-    cta_m, tn = 2 * cfg.tile_m, cfg.tile_n
-    m_iters, n_iters = n // cta_m, k // tn
-    width = num_items * BLOCK_K
     per_item = BLOCK_K // gemm_grouped_bf16.TILE_K
     allocations, _ = gemm_grouped_bf16.tile_pipeline(cfg, num_items * per_item, "nk", a_gmem.dtype)
 
     @functools.partial(
         pl.run_scoped,
-        allocs=allocations(a_gmem.at[pl.ds(0, cta_m)], b_gmem.at[pl.ds(0, tn)]),
+        allocs=allocations(a_gmem.at[pl.ds(0, 2 * cfg.tile_m)], b_gmem.at[pl.ds(0, cfg.tile_n)]),
         out_smem=_out_smem(cfg, o_gmem.dtype),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
-        @plgpu.nd_loop((e * m_iters * n_iters,), collective_axes="sm")
-        def _tiles(info):
-            g = info.index[0] // (m_iters * n_iters)
-            mi, ni = plgpu.planar_snake(info.index[0] % (m_iters * n_iters), (m_iters, n_iters), cfg.grid_minor_dim,
-                                        cfg.grid_tile_width)
-            first, count = ranges_gmem[0, g], ranges_gmem[1, g]
-            ms, ns = pl.ds(mi * cta_m, cta_m), pl.ds(ni * tn, tn)
-            store = tile_store(o_gmem.at[g, ms, ns], out_smem, cfg.tile_m)
+        def run_tile(first, count, ms, ns, store):
+            ks = pl.ds(first * BLOCK_K, num_items * BLOCK_K)
+            _, run = gemm_grouped_bf16.tile_pipeline(cfg, count * per_item, "nk", a_gmem.dtype)
+            run(a_gmem.at[ms, ks], b_gmem.at[ns, ks], store, allocs)
 
-            @pl.when(count > 0)
-            def _():
-                ks = pl.ds(first * BLOCK_K, width)  # past the end only in steps the pipeline never fetches
-                _, run = gemm_grouped_bf16.tile_pipeline(cfg, count * per_item, "nk", a_gmem.dtype)
-                run(a_gmem.at[ms, ks], b_gmem.at[ns, ks], store, allocs)
-
-            @pl.when(count == 0)
-            def _():
-                wg = lax.axis_index("wg")
-
-                @pl.when(wg < 2)
-                def _():
-                    store(zero_acc(cfg.tile_m, tn), wg)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        _expert_tiles(ranges_gmem, o_gmem, out_smem, cfg, run_tile)
 
 
 def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool = False,
