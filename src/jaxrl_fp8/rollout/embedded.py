@@ -22,7 +22,9 @@ Weight versions are swapped atomically between `generate` calls (a lock), never 
 
 Placement (`config.rollout.placement`): by default the engine computes on one device (weights of a sharded
 trainer are copied there); with a `sharding.CollocatedPlacement` it runs on the training mesh with the trainer's
-sharded weights, taken by reference (see `sharding/rollout.py`).
+sharded weights, taken by reference (see `sharding/rollout.py`). On a multi-process job the collocated
+engine is SPMD: each `generate` all-gathers every process's requests, all processes decode the union with
+the same programs, and each returns the samples of its own requests (`_union_rows`).
 """
 
 from __future__ import annotations
@@ -405,6 +407,10 @@ class EmbeddedEngine:
         Note: high-precision tensors (norms, embeddings, router, lm_head) are used as sent, so export them in
         the trainer's dtype (not rounded to BF16) when rollout must match the trainer bit for bit.
         """
+        if self.placement is not None and self.placement.multi_process:
+            raise ValueError("update_weights: with config.rollout.placement='collocated' on a multi-process job the engine "
+                             "takes weights from the trainer (update_params) or from disk (update_weights_from_disk), "
+                             "not from host buckets")
         current = self._weights
         arrays: dict[str, Any] = {}
         scales: dict[str, Any] = {}
@@ -443,7 +449,7 @@ class EmbeddedEngine:
             items.append((path, var.replace(new_values[tp]) if tp in new_values else var))
         state = nnx.from_flat_state(items)
         if self.placement is not None:  # host buckets -> the mesh layout of the other rollout operands
-            state = jax.device_put(state, self.placement.weight_shardings(state))
+            state = self.placement.place(state)
         jax.block_until_ready(state)
         self._swap(_Weights(current.graphdef, state, str(weight_version), current.dtype))
 
@@ -588,20 +594,69 @@ class EmbeddedEngine:
         params = per_prompt_sampling(sampling, len(prompts))
         t0 = time.perf_counter()
         with self._lock:
-            rows = self._rows(prompts, params)
+            if self.placement is not None and self.placement.multi_process:
+                # every process runs the same programs over the union of all processes' requests
+                rows, own, want_routed = self._union_rows(prompts, params, return_routed_experts)
+            else:
+                rows = self._rows(prompts, params)
+                own, want_routed = range(len(rows)), return_routed_experts
             weights = self._weights
             order = sorted(range(len(rows)), key=lambda r: (len(rows[r].prompt) + rows[r].params.max_new_tokens, r))
             results: list[Sample | None] = [None] * len(rows)
-            tokens_out = 0
             for start in range(0, len(order), self.config.max_batch):
                 chunk = [rows[r] for r in order[start : start + self.config.max_batch]]
-                samples = self._run_chunk(weights, chunk, return_routed_experts)
+                samples = self._run_chunk(weights, chunk, want_routed)
                 for r, s in zip(order[start : start + self.config.max_batch], samples):
                     results[r] = s
-                    tokens_out += s.response_ids.size
+        out = [results[r] for r in own]
+        if want_routed and not return_routed_experts:  # another process asked for them
+            for s in out:
+                s.routed_experts = None
         elapsed = time.perf_counter() - t0
-        self.last_stats = {"rows": float(len(rows)), "response_tokens": float(tokens_out), "seconds": elapsed}
-        return [s for s in results if s is not None]
+        tokens_out = sum(s.response_ids.size for s in out)
+        self.last_stats = {"rows": float(len(out)), "response_tokens": float(tokens_out), "seconds": elapsed}
+        if len(rows) != len(out):
+            self.last_stats["union_rows"] = float(len(rows))
+        return out
+
+    def _union_rows(self, prompts, params, want_routed: bool) -> tuple[list[_Row], range, bool]:
+        """Multi-process collocated: (rows of every process's requests in process order, the indices of this
+        process's rows among them, whether any process wants routed experts). A collective (host all-gather):
+        every process must call `generate` the same number of times.
+
+        Each process validates its own requests and draws the base seeds of those without one (from its own
+        engine rng, as a one-process engine would) BEFORE the gather, so the union carries explicit seeds and
+        every process schedules bit-identical rows. A request rejected by any process fails the call on all."""
+        from jaxrl_fp8 import distributed
+
+        try:
+            local = self._rows(prompts, params)
+            payload: dict[str, Any] = {"routed": bool(want_routed), "requests": [
+                [list(r.prompt), dataclasses.asdict(dataclasses.replace(r.params, seed=r.seed))]
+                for r in local if r.sample_index == 0  # sample 0's seed is the prompt's base seed
+            ]}
+        except ValueError as e:
+            local, payload = None, {"error": str(e)}
+        everyone = distributed.allgather_json(payload)
+        me = jax.process_index()
+        errors = [(p, x["error"]) for p, x in enumerate(everyone) if "error" in x]
+        if errors:
+            if local is None:
+                raise ValueError(payload["error"])
+            p, msg = errors[0]
+            raise ValueError(f"generate: process {p} rejected its request ({msg}); with config.rollout.placement="
+                             "'collocated' every process runs the union of all processes' requests, so none ran")
+        rows: list[_Row] = []
+        own = range(0)
+        for p, x in enumerate(everyone):
+            if p == me:  # this process's own rows (the same rows the others rebuild from the JSON)
+                own = range(len(rows), len(rows) + len(local))
+                rows.extend(local)
+                continue
+            for i, (prompt, sp) in enumerate(x["requests"]):
+                sp = SamplingParams(**sp)
+                rows.extend(_Row(i, j, tuple(prompt), sp, sample_seed(sp.seed, j)) for j in range(sp.n))
+        return rows, own, any(x["routed"] for x in everyone)
 
     def _run_chunk(self, weights: _Weights, chunk: list[_Row], want_routed: bool) -> list[Sample]:
         cfg = self.config
@@ -638,6 +693,7 @@ class EmbeddedEngine:
             mnew[i] = r.params.max_new_tokens
             stop_ids[i, : len(stops[i])] = stops[i]
         put = jnp.asarray if self.placement is None else self.placement.put_rows
+        fetch = np.asarray if self.placement is None else self.placement.fetch  # multi-process: a collective
         rows = _Rows(put(temp), put(top_k), put(top_p), put(seeds), put(mnew), put(stop_ids))
         place = self.placement
         if cfg.decode_loop == "while":
@@ -650,12 +706,12 @@ class EmbeddedEngine:
                 weights.graphdef, weights.state, self.precision, put(ids), put(lens), rows, s_b, n_b, weights.dtype, place
             )
             for _ in range(1, max_new):
-                if bool(jnp.all(carry.done)):
+                if bool(fetch(jnp.all(carry.done))):
                     break
                 carry = _decode_jit(weights.graphdef, weights.state, rows, carry, precision=self.precision, placement=place)
-        tokens, logprobs, count = np.asarray(carry.tokens), np.asarray(carry.logprobs), np.asarray(carry.count)
-        routed = np.asarray(carry.routed) if want_routed else None
-        p_routed = np.asarray(prompt_routed) if want_routed else None
+        tokens, logprobs, count = fetch(carry.tokens), fetch(carry.logprobs), fetch(carry.count)
+        routed = fetch(carry.routed) if want_routed else None
+        p_routed = fetch(prompt_routed) if want_routed else None
         out = []
         for i, r in enumerate(chunk):
             t = int(count[i])

@@ -18,8 +18,25 @@
 
 The same sharded forward then runs in the trainer and in the engine, so unified recipes keep their
 train-rollout log-probs equal bit for bit (tests/sharding/collocated.py measures it).
-Single process only: a multi-process collocated engine would need every process to decode the same chunk
-shapes (not done; the engine raises).
+
+Multi-process jobs (jax.distributed, several hosts): the generate programs are SPMD over the whole mesh, so
+every process must run the same programs on the same global inputs. `EmbeddedEngine.generate` therefore first
+all-gathers the requests of every process (`EmbeddedEngine._union_rows`: prompt ids, sampling parameters with
+the base seeds already drawn, the routed-experts flag; one host all-gather, in process order), and every
+process schedules the identical ordered union (same sort, same chunks, same buckets, same compiled programs).
+Host arrays enter the programs as global arrays built from that identical host value (`put_rows`:
+`make_array_from_callback`, each process filling its own shards); results leave through `fetch`
+(`process_allgather`, since a process cannot read shards on another host), and each process keeps only the
+samples of its own requests, in its own order. Sampling is seeded per row and the forward is row invariant, so
+a process's samples are bit for bit those a one-process engine draws for the same requests
+(tests/sharding/two_process_collocated.py). Cost: every process decodes the union of all processes' rows on
+the shared mesh (the rows are split over the batch axes, so the devices share the work, but the host side
+handles every row and receives every chunk's outputs), plus host all-gathers: one of the requests per call and
+one per output array of every chunk (tokens, log-probs, counts, routed experts if any process asked). A
+request one process rejects fails `generate` on every process (none of them runs a chunk); `generate` is a
+collective, so every process must call it as often as the others (the trainer does: one call per step).
+Not supported on a multi-process job: `EmbeddedEngine.update_weights` from host buckets (it raises; the
+trainer's push `update_params` works; `update_weights_from_disk` places its weights like the initial ones).
 """
 
 from __future__ import annotations
@@ -64,11 +81,13 @@ class CollocatedPlacement:
     """The embedded engine's view of the training mesh (hashable by identity: a static jit argument)."""
 
     def __init__(self, plan, *, moe: bool):
-        if jax.process_count() > 1:
-            raise ValueError(f"config.rollout.placement='collocated' runs on one process; this job has "
-                             f"{jax.process_count()} processes (use placement='separate' with the SGLang engine)")
         self.plan = plan
         self.mesh = plan.mesh
+        mesh_processes = {d.process_index for d in self.mesh.devices.flat}
+        if len(mesh_processes) != jax.process_count():
+            raise ValueError(f"config.rollout.placement='collocated' needs a training mesh over every process's devices; "
+                             f"this mesh spans processes {sorted(mesh_processes)} of {jax.process_count()}")
+        self.multi_process = jax.process_count() > 1
         self.moe_impl = make_moe_impl(plan.mesh) if moe else None
         self.notes: list[str] = []
         self._prepare_jit = {}
@@ -104,7 +123,7 @@ class CollocatedPlacement:
         checkpoint loaded from disk) are first placed in the storage layout."""
         mesh_devices = set(self.mesh.devices.flat)
         if any(isinstance(x, jax.Array) and set(x.sharding.device_set) != mesh_devices for x in jax.tree.leaves(state)):
-            state = jax.device_put(state, self.weight_shardings(state))
+            state = self.place(state)
         key = (graphdef, prepare_fn)
         if key not in self._prepare_jit:
             def fresh(gd, st):  # copies: the outputs never alias the trainer's (donated) buffers
@@ -113,6 +132,14 @@ class CollocatedPlacement:
             abstract = jax.eval_shape(lambda st: fresh(graphdef, st), state)
             self._prepare_jit[key] = jax.jit(lambda st: fresh(graphdef, st), out_shardings=self.weight_shardings(abstract))
         return self._prepare_jit[key](state)
+
+    def place(self, state):
+        """`state` (host or device arrays, the same values on every process) in the storage layout on the mesh.
+        Multi-process: each process fills its own shards from its copy (`plan.shard`); a jax.device_put of a
+        one-device array onto devices of other processes is not possible."""
+        if not self.multi_process:
+            return jax.device_put(state, self.weight_shardings(state))
+        return self.plan.shard(state, self.weight_shardings(state))
 
     def constrain_weights(self, state):
         """Inside jit: the compute layout (FSDP shards gathered at use, expert / tensor splits kept)."""
@@ -126,7 +153,22 @@ class CollocatedPlacement:
         return jax.lax.with_sharding_constraint(x, self.row_sharding(x.ndim))
 
     def put_rows(self, x: np.ndarray) -> jax.Array:
-        return jax.device_put(np.asarray(x), self.row_sharding(np.ndim(x)))
+        """A host array of a chunk as a global array split over the batch axes. Multi-process: every process
+        passes the same (global) value and fills the shards of its own devices."""
+        x = np.asarray(x)
+        sharding = self.row_sharding(x.ndim)
+        if not self.multi_process:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    def fetch(self, x) -> np.ndarray:
+        """The whole value of an output array on the host of every process (a collective when multi-process:
+        every process must fetch the same arrays in the same order)."""
+        if not self.multi_process or not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     def constrain_cache(self, cache):
         return jax.lax.with_sharding_constraint(cache, self.plan.kv_cache_shardings(cache))
