@@ -88,37 +88,54 @@ def masked_store(out_rows, out_smem, tile_m: int, offset, size):
     return store
 
 
+def staging_smem(cfg, dtype):
+    """The epilogue's [2, tile_m, tile_n] staging tile for `masked_store`: unswizzled, so stores start at any row."""
+    return plgpu.SMEM((2, cfg.tile_m, cfg.tile_n), dtype)
+
+
+def walk_items(items_gmem, o_gmem, out_smem, cfg, run_tile):
+    """The persistent walk of the grouped kernels over (work item, output column tile).
+
+    run_tile(group, row block, column tile, store) computes an item of a real group; `store` writes only that
+    item's rows (row blocks past M are cropped there; A was padded to whole blocks). Items of the tail past
+    the groups store zeros. out_smem: a `staging_smem` tile.
+    """
+    tm, tn = cfg.tile_m, cfg.tile_n
+    cta_m = 2 * tm
+    t_iters, n_iters = items_gmem.shape[1], o_gmem.shape[1] // tn
+
+    @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm")
+    def _tiles(info):
+        ti, ni = plgpu.planar_snake(info.index[0], (t_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+        g, blk, offset, size = (items_gmem[f, ti] for f in (GROUP, BLOCK, OFFSET, SIZE))
+        store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * tn, tn)], out_smem, tm, offset, size)
+
+        @pl.when((size > 0) & (g >= 0))
+        def _():
+            run_tile(g, blk, ni, store)
+
+        @pl.when((size > 0) & (g < 0))
+        def _():
+            zero_fill(store, tm, tn)
+
+
 def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, row_scales: bool):
-    k = a_gmem.shape[1]
-    n = b_gmem.shape[1]
-    cta_m, tm, tn = 2 * cfg.tile_m, cfg.tile_m, cfg.tile_n
-    t_iters, n_iters, k_iters = items_gmem.shape[1], n // tn, k // BLOCK_K
-    allocations, run = scaled_tile_pipeline(cfg, k_iters, row_scales)
+    cta_m, tn = 2 * cfg.tile_m, cfg.tile_n
+    allocations, run = scaled_tile_pipeline(cfg, a_gmem.shape[1] // BLOCK_K, row_scales)
 
     @functools.partial(
         pl.run_scoped,
         allocs=allocations(a_gmem, b_gmem.at[0], sa_gmem, tile_scales(sb_gmem.at[0], 0, tn, row_scales)),
-        out_smem=plgpu.SMEM((2, tm, tn), o_gmem.dtype),  # unswizzled: stores start at any row
+        out_smem=staging_smem(cfg, o_gmem.dtype),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
-        @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm")
-        def _tiles(info):
-            ti, ni = plgpu.planar_snake(info.index[0], (t_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
-            g, blk, offset, size = (items_gmem[f, ti] for f in (GROUP, BLOCK, OFFSET, SIZE))
-            ms, ns = pl.ds(blk * cta_m, cta_m), pl.ds(ni * tn, tn)
-            out_rows = o_gmem.at[:, ns]
+        def run_tile(g, blk, ni, store):
+            ms = pl.ds(blk * cta_m, cta_m)
+            sb = tile_scales(sb_gmem.at[g], ni, tn, row_scales)
+            run(a_gmem.at[ms], b_gmem.at[g, pl.ds(ni * tn, tn)], sa_gmem.at[:, ms], sb, store, allocs)
 
-            @pl.when((size > 0) & (g >= 0))
-            def _():
-                # Row blocks past M are cropped by the masked store; A was padded to whole blocks.
-                store = masked_store(out_rows.at[pl.ds(blk * cta_m, cta_m)], out_smem, tm, offset, size)
-                sb = tile_scales(sb_gmem.at[g], ni, tn, row_scales)
-                run(a_gmem.at[ms], b_gmem.at[g, ns], sa_gmem.at[:, ms], sb, store, allocs)
-
-            @pl.when((size > 0) & (g < 0))
-            def _():
-                zero_fill(masked_store(out_rows.at[pl.ds(blk * cta_m, cta_m)], out_smem, tm, offset, size), tm, tn)
+        walk_items(items_gmem, o_gmem, out_smem, cfg, run_tile)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -27,8 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gemm_dense import F32, launch_persistent, zero_fill
-from pallas_kernels.gemm_grouped import BLOCK, GROUP, OFFSET, SIZE, masked_store, work_items
+from pallas_kernels.gemm_dense import F32, launch_persistent
+from pallas_kernels.gemm_grouped import staging_smem, walk_items, work_items
 
 TILE_K = 64  # 64 bf16 = 128 bytes: the widest swizzle
 LAYOUTS = ("nk", "kn")
@@ -105,10 +105,8 @@ def tile_pipeline(cfg: Bf16GroupedConfig, k_iters, layout: str, dtype):
 
 def _kernel(items_gmem, a_gmem, b_gmem, o_gmem, *, cfg: Bf16GroupedConfig, layout: str):
     c = a_gmem.shape[1]
-    o = b_gmem.shape[1] if layout == "nk" else b_gmem.shape[2]
-    tm, tn = cfg.tile_m, cfg.tile_n
-    cta_m = 2 * tm
-    t_iters, n_iters = items_gmem.shape[1], o // tn
+    tn = cfg.tile_n
+    cta_m = 2 * cfg.tile_m
     allocations, run = tile_pipeline(cfg, c // TILE_K, layout, a_gmem.dtype)
 
     def b_tile(g, ni):
@@ -118,24 +116,14 @@ def _kernel(items_gmem, a_gmem, b_gmem, o_gmem, *, cfg: Bf16GroupedConfig, layou
     @functools.partial(
         pl.run_scoped,
         allocs=allocations(a_gmem.at[pl.ds(0, cta_m)], b_tile(0, 0)),
-        out_smem=plgpu.SMEM((2, tm, tn), o_gmem.dtype),  # unswizzled: masked stores start at any row
+        out_smem=staging_smem(cfg, o_gmem.dtype),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
-        @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm")
-        def _tiles(info):
-            ti, ni = plgpu.planar_snake(info.index[0], (t_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
-            g, blk, offset, size = (items_gmem[f, ti] for f in (GROUP, BLOCK, OFFSET, SIZE))
-            out_block = o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * tn, tn)]
-            store = masked_store(out_block, out_smem, tm, offset, size)
+        def run_tile(g, blk, ni, store):
+            run(a_gmem.at[pl.ds(blk * cta_m, cta_m)], b_tile(g, ni), store, allocs)
 
-            @pl.when((size > 0) & (g >= 0))
-            def _():
-                run(a_gmem.at[pl.ds(blk * cta_m, cta_m)], b_tile(g, ni), store, allocs)
-
-            @pl.when((size > 0) & (g < 0))
-            def _():
-                zero_fill(store, tm, tn)
+        walk_items(items_gmem, o_gmem, out_smem, cfg, run_tile)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

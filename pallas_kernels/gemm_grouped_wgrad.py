@@ -49,25 +49,18 @@ def _own_rows(items):
     return (lane >= items[OFFSET][:, None]) & (lane < (items[OFFSET] + items[SIZE])[:, None]) & (items[GROUP] >= 0)[:, None]
 
 
-def _item_operands(dyt_q, dyt_scale, xt_q, xt_scale, items):
-    """Item-major operands: [N, T*128] (other experts' rows zeroed), [K, T*128], scales [T, N] and [T, K]."""
-    n, m = dyt_q.shape
-    t = items.shape[1]
+def _item_major(a, items, mask: bool):
+    """a [C, M] (M the contraction) -> [C, T*128]: item t holds columns block_t*128 ... +128 of a, zeroed
+    outside item t's expert if `mask` (then each expert's contraction is one run of whole items)."""
+    c, m = a.shape
     mb = -(-m // BLOCK_K)
-    pad = mb * BLOCK_K - m
-    blocks = items[BLOCK]
-    keep = _own_rows(items)
-
-    def gather(q):
-        bits = lax.bitcast_convert_type(jnp.pad(q, [(0, 0), (0, pad)]), jnp.uint8).reshape(q.shape[0], mb, BLOCK_K)
-        return jnp.take(bits, blocks, axis=1)  # [rows, T, 128]
-
-    a = jnp.where(keep[None], gather(dyt_q), jnp.uint8(0))  # 0x00 is +0.0 in e4m3
-    b = gather(xt_q)
-    to_fp8 = lambda u: lax.bitcast_convert_type(u.reshape(u.shape[0], t * BLOCK_K), jnp.float8_e4m3fn)
-    sa = jnp.take(jnp.asarray(dyt_scale, F32), blocks, axis=1).T
-    sb = jnp.take(jnp.asarray(xt_scale, F32), blocks, axis=1).T
-    return to_fp8(a), to_fp8(b), sa, sb
+    fp8 = a.dtype == jnp.float8_e4m3fn
+    u = lax.bitcast_convert_type(a, jnp.uint8) if fp8 else a  # select on the bits: 0x00 is +0.0 in e4m3
+    u = jnp.take(jnp.pad(u, [(0, 0), (0, mb * BLOCK_K - m)]).reshape(c, mb, BLOCK_K), items[BLOCK], axis=1)
+    if mask:
+        u = jnp.where(_own_rows(items)[None], u, jnp.zeros((), u.dtype))
+    u = u.reshape(c, -1)
+    return lax.bitcast_convert_type(u, a.dtype) if fp8 else u
 
 
 def _ranges(items, num_groups: int):
@@ -146,20 +139,12 @@ def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups:
     if cfg.k_blocks_per_step != 1:
         cfg = dataclasses.replace(cfg, k_blocks_per_step=1)  # an expert's block count may be odd
     items = work_items(group_sizes, m, BLOCK_K)
-    a, b, sa, sb = _item_operands(dyt_q, dyt_scale, xt_q, xt_scale, items)
+    a, b = _item_major(dyt_q, items, mask=True), _item_major(xt_q, items, mask=False)
+    sa = jnp.take(jnp.asarray(dyt_scale, F32), items[BLOCK], axis=1).T  # [T, N]
+    sb = jnp.take(jnp.asarray(xt_scale, F32), items[BLOCK], axis=1).T  # [T, K]
     kernel = functools.partial(_kernel, cfg=cfg, num_items=items.shape[1])
     out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
     return launch_persistent(kernel, out, _ranges(items, num_groups), a, b, sa, sb, interpret=interpret)
-
-
-def _item_rows(a, items, mask: bool):
-    """a [M, C] -> [C, T*128]: item t holds rows block_t*128 ... +128 (zeroed outside its group if `mask`)."""
-    m, c = a.shape
-    mb = -(-m // BLOCK_K)
-    blocks = jnp.take(jnp.pad(a, [(0, mb * BLOCK_K - m), (0, 0)]).reshape(mb, BLOCK_K, c), items[BLOCK], axis=0)
-    if mask:
-        blocks = jnp.where(_own_rows(items)[..., None], blocks, jnp.zeros((), a.dtype))
-    return jnp.transpose(blocks, (2, 0, 1)).reshape(c, -1)
 
 
 def _bf16_kernel(ranges_gmem, a_gmem, b_gmem, o_gmem, *, cfg, num_items: int):
@@ -196,8 +181,8 @@ def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool =
         raise ValueError(f"{where}: group_sizes must be [{num_groups}]; got {group_sizes.shape}")
     cfg = config or gemm_grouped_bf16.Bf16GroupedConfig()
     items = work_items(group_sizes, m, BLOCK_K)
-    a = _item_rows(dy.astype(jnp.bfloat16), items, mask=True)
-    b = _item_rows(x.astype(jnp.bfloat16), items, mask=False)
+    a = _item_major(dy.astype(jnp.bfloat16).T, items, mask=True)
+    b = _item_major(x.astype(jnp.bfloat16).T, items, mask=False)
     kernel = functools.partial(_bf16_kernel, cfg=cfg, num_items=items.shape[1])
     out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
     return launch_persistent(kernel, out, _ranges(items, num_groups), a, b, interpret=interpret)

@@ -8,6 +8,7 @@ import pytest
 from jaxrl_fp8.ops import reference as R
 from jaxrl_fp8.precision.fp8 import quantize_fp8_per_block, quantize_fp8_per_token_group
 from pallas_kernels import gemm_grouped
+from tests.pallas_kernels.moe_data import EXPERTS, ROWS, ragged_sizes
 
 
 def _operands(seed, m, e, n, k):
@@ -71,11 +72,8 @@ def test_interpret_single_row():
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768)])
 def test_gpu_moe_shapes(n, k):
-    e, m = 16, 4000
-    rng = np.random.default_rng(n)
-    sizes = rng.multinomial(m - 100, np.ones(e) / e)
-    sizes[3] = 0
-    sizes[5] += sizes[3]
+    e, m = EXPERTS, ROWS
+    sizes = ragged_sizes(n)
     xq, sa, wq, sb = _operands(2, m, e, n, k)
     gs = jnp.asarray(sizes, jnp.int32)
     y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, out_dtype=jnp.bfloat16)

@@ -6,6 +6,7 @@ import pytest
 
 from jaxrl_fp8.ops import reference as R
 from pallas_kernels import gemm_grouped_bf16 as G
+from tests.pallas_kernels.moe_data import EXPERTS, ROWS, ragged_sizes
 
 BF16 = jnp.bfloat16
 
@@ -76,11 +77,8 @@ def test_clear_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("o,c", [(1536, 2048), (2048, 768), (384, 1024)])
 def test_gpu_moe_shapes(o, c):
-    e, m = 16, 4000
-    rng = np.random.default_rng(o)
-    sizes = rng.multinomial(m - 100, np.ones(e) / e)
-    sizes[5] += sizes[3]
-    sizes[3] = 0
+    e, m = EXPERTS, ROWS
+    sizes = ragged_sizes(o)
     x, w = _operands(2, m, e, o, c)
     gs = jnp.asarray(sizes, jnp.int32)
     y = G.grouped_matmul(x, w, gs)

@@ -7,6 +7,7 @@ import pytest
 from jaxrl_fp8.ops import grouping, reference as R
 from jaxrl_fp8.precision.fp8 import dequantize_fp8_per_token_group, quantize_fp8_per_token_group
 from pallas_kernels import gemm_grouped_wgrad as W
+from tests.pallas_kernels.moe_data import EXPERTS, ROWS, ragged_sizes
 
 
 def _operands(seed, m, n, k):
@@ -74,11 +75,9 @@ def test_clear_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768)])
 def test_gpu_bf16_moe_shapes(n, k):
-    e, m = 16, 4000
+    e, m = EXPERTS, ROWS
+    sizes = ragged_sizes(k)
     rng = np.random.default_rng(k)
-    sizes = rng.multinomial(m - 100, np.ones(e) / e)
-    sizes[5] += sizes[3]
-    sizes[3] = 0
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
@@ -90,11 +89,8 @@ def test_gpu_bf16_moe_shapes(n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768)])
 def test_gpu_moe_shapes(n, k):
-    e, m = 16, 4000
-    rng = np.random.default_rng(n)
-    sizes = rng.multinomial(m - 100, np.ones(e) / e)
-    sizes[5] += sizes[3]
-    sizes[3] = 0
+    e, m = EXPERTS, ROWS
+    sizes = ragged_sizes(n)
     dq, ds, xq, xs = _operands(1, m, n, k)
     gs = jnp.asarray(sizes, jnp.int32)
     got = np.asarray(W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, e))

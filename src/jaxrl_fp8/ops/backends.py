@@ -33,50 +33,40 @@ def kernel_supports(n: int, k: int) -> bool:
     return n % 128 == 0 and k % 128 == 0
 
 
+def _choose(backend: str | None, fits, need: str) -> str:
+    """None: the kernel on a Hopper GPU when the shape fits, else XLA; an explicit kernel backend must fit.
+    `fits()` is only asked when a kernel is in question (it may import the kernel module)."""
+    check_backend(backend)
+    if backend is None:
+        return "mosaic" if default_device_is_hopper() and fits() else "xla"
+    if backend != "xla" and not fits():
+        raise ValueError(f"backend {backend!r}: {need}; use backend='xla' (or None) for other shapes")
+    return backend
+
+
 def resolve(backend: str | None, fmt: str, n: int, k: int) -> str:
     """The backend one fp8-block GEMM of output width n and depth k runs on (other formats: always xla)."""
     check_backend(backend)
     if fmt != "fp8-block":
         return "xla"
-    if backend is None:
-        return "mosaic" if default_device_is_hopper() and kernel_supports(n, k) else "xla"
-    if backend != "xla" and not kernel_supports(n, k):
-        raise ValueError(
-            f"backend {backend!r}: the Pallas FP8 kernels need N and K multiples of 128, got N={n}, K={k}; "
-            "use backend='xla' (or None) for other shapes"
-        )
-    return backend
-
-
-def bf16_grouped_kernel_supports(out_width: int, contraction: int) -> bool:
-    from pallas_kernels import gemm_grouped_bf16
-
-    return gemm_grouped_bf16.supports(out_width, contraction)
+    return _choose(backend, lambda: kernel_supports(n, k), f"the Pallas FP8 kernels need N and K multiples of 128, got N={n}, K={k}")
 
 
 def resolve_bf16_grouped(backend: str | None, out_width: int, contraction: int) -> str:
     """The backend of one BF16 grouped GEMM with output width `out_width` contracting over `contraction`."""
-    check_backend(backend)
-    if backend is None:
-        return "mosaic" if default_device_is_hopper() and bf16_grouped_kernel_supports(out_width, contraction) else "xla"
-    if backend != "xla" and not bf16_grouped_kernel_supports(out_width, contraction):
-        raise ValueError(
-            f"backend {backend!r}: the Pallas BF16 grouped kernel needs the output width a multiple of 128 and the "
-            f"contraction a multiple of 64, got {out_width} and {contraction}; use backend='xla' (or None)"
-        )
-    return backend
+    def fits():
+        from pallas_kernels import gemm_grouped_bf16
+
+        return gemm_grouped_bf16.supports(out_width, contraction)
+
+    return _choose(backend, fits, "the Pallas BF16 grouped kernel needs the output width a multiple of 128 and the "
+                                  f"contraction a multiple of 64, got {out_width} and {contraction}")
 
 
 def resolve_bf16_grouped_wgrad(backend: str | None, n: int, k: int) -> str:
-    """The backend of one BF16 grouped weight gradient [E, N, K] (the kernel needs N, K multiples of 128)."""
-    check_backend(backend)
-    ok = n % 128 == 0 and k % 128 == 0
-    if backend is None:
-        return "mosaic" if default_device_is_hopper() and ok else "xla"
-    if backend != "xla" and not ok:
-        raise ValueError(f"backend {backend!r}: the Pallas grouped wgrad kernel needs N and K multiples of 128, got "
-                         f"N={n}, K={k}; use backend='xla' (or None)")
-    return backend
+    """The backend of one BF16 grouped weight gradient [E, N, K]."""
+    return _choose(backend, lambda: kernel_supports(n, k), f"the Pallas grouped wgrad kernel needs N and K multiples of 128, "
+                                                   f"got N={n}, K={k}")
 
 
 def bf16_grouped_wgrad(dy, x, group_sizes, num_groups: int, *, backend: str):
