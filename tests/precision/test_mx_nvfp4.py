@@ -132,7 +132,7 @@ def test_quantized_weight_roundtrip_and_activation(fmt):
 
 
 # A block whose e4m3 scale sits at a tie only one rounding away: (amax / 6) / g = 200.00002 rounds up to
-# 208, while the product form amax / (6 * g) = 199.99998 rounds down to 192. XLA's algebraic simplifier
+# 208, while the product form amax / (6 * g) = 200.0 is a tie that rounds to the even 192. XLA's algebraic simplifier
 # rewrites the first into the second unless the contract stops it; eager dispatch never shows it.
 _TIE_BLOCK = [0xBF077BD3, 0x3D851FB3, 0xBF72566F, 0x3EE10633, 0xBF8EFC8B, 0x3F263569, 0xBF827BF3, 0x3E8A6477,
               0xBF7B9E0D, 0x3F3BCBEB, 0x3FE4924A, 0x3E899B96, 0xBF4F295B, 0xBFA21A8C, 0xBF358D1D, 0x3F98FEC7]

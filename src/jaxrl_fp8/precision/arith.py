@@ -20,8 +20,9 @@ def ieee_div(a: jnp.ndarray, b) -> jnp.ndarray:
 
     Both operands sit behind optimization barriers so XLA cannot rewrite the quotient algebraically: with a
     known divisor it would multiply by a reciprocal, and its simplifier turns (a / b) / c into a / (b * c),
-    which rounds differently (measured on XLA:CPU and XLA:GPU: an NVFP4 block scale chain gave 199.99998
-    instead of 200.00002, one e4m3 code lower; eager dispatch hides it, jit shows it).
+    which rounds differently (one NVFP4 block: (amax / 6) / g = 200.00002 -> e4m3 208, but amax / (6 * g) =
+    200.0, a tie that rounds to the even 192; the jitted contract wrote 192 on XLA:CPU and on XLA:GPU, eager
+    dispatch 208).
     """
     a = jnp.asarray(a, F32)
     b = jnp.broadcast_to(jnp.asarray(b, F32), jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
