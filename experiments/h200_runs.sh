@@ -7,6 +7,7 @@
 #   bash experiments/h200_runs.sh decode     # embedded engine decode, BF16 vs FP8, batch 1 / 32 / 256, roofline
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
 #   bash experiments/h200_runs.sh curves     # recipe curves (short RL runs, identical seeds)
+#   bash experiments/h200_runs.sh parallel 540   # the whole mismatch sweep and the recipe curves at once (below)
 # decode and mismatch write their JSON after every point / size, so a stage cut short keeps what it measured.
 # The GPU image lacks ml_collections (and grain): install their wheels into a folder on PYTHONPATH first.
 set -o pipefail
@@ -16,7 +17,57 @@ mkdir -p "$OUT" /tmp/jax_cache
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
 quiet() { grep -v "Warning\|warn(\|slow_operation\|Constant folding\|This isn't\|If you'd\|^$"; }
+STUDY_ARGS="--num-prompts 128 --max-new-tokens 64 --no-progress"
+# Rollout groups of the study (recipes sharing a rollout format share one rollout).
+GROUPS_ALL="bf16 bf16_train_fp8_rollout,fp8_block bf16_train_mxfp8_rollout,mxfp8 nvfp4"
+
+# parallel DEADLINE_S: the study's four sizes (the two largest split by rollout group) and the five recipe runs as
+# separate processes at once. Compilation is host-bound and single-threaded while the GPU idles, so 16 processes
+# on the 16-core host finish in about the time of the longest. Jobs still running at the deadline are stopped;
+# what finished is merged (one mismatch_h200/, one recipe_curves_h200/) and packed into $OUT/parallel.tar.gz.
+# PARALLEL_TESTS="tests/..." also runs those -m gpu tests alongside (log: parts/gpu_tests.log). Timing caveat: the recipe runs share the GPU and the host with the other jobs, so their step times are upper bounds.
+parallel() {
+  local deadline=$(( $(date +%s) + ${1:?deadline seconds} )) parts="$OUT/parts" pids=() job
+  mkdir -p "$parts"
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  launch() { local name=$1; shift; setsid "$@" > "$parts/$name.log" 2>&1 & pids+=($!); }
+  launch moe-60M $PY experiments/mismatch_study.py --sizes moe-60M $STUDY_ARGS --out "$parts/moe-60M"
+  launch moe-400M_a $PY experiments/mismatch_study.py --sizes moe-400M --recipes bf16,bf16_train_fp8_rollout,fp8_block $STUDY_ARGS --out "$parts/moe-400M_a"
+  launch moe-400M_b $PY experiments/mismatch_study.py --sizes moe-400M --recipes bf16_train_mxfp8_rollout,mxfp8,nvfp4 $STUDY_ARGS --out "$parts/moe-400M_b"
+  for size in moe-1.5B moe-3.7B; do
+    local i=0
+    for group in $GROUPS_ALL; do
+      i=$((i + 1)); launch "${size}_g$i" $PY experiments/mismatch_study.py --sizes $size --recipes $group $STUDY_ARGS --out "$parts/${size}_g$i"
+    done
+  done
+  for recipe in bf16 bf16_train_fp8_rollout fp8_block mxfp8 nvfp4; do
+    launch "curves_$recipe" $PY experiments/recipe_curves.py --recipes $recipe --steps 100 --set data.prompts_per_step=64 \
+      --out "$parts/curves_$recipe" --runs-dir "$OUT/runs" --overwrite
+  done
+  [ -n "${PARALLEL_TESTS:-}" ] && launch gpu_tests $PY -m pytest -v -s -m gpu $PARALLEL_TESTS -p no:cacheprovider --durations=20
+  while [ $(date +%s) -lt $deadline ]; do
+    local alive=0
+    for job in "${pids[@]}"; do kill -0 "$job" 2>/dev/null && alive=$((alive + 1)); done
+    [ $alive -eq 0 ] && break
+    sleep 5
+  done
+  for job in "${pids[@]}"; do kill -0 "$job" 2>/dev/null && { echo "stopping job $job at the deadline"; kill -- -"$job"; }; done
+  sleep 2
+  local dirs finished=""
+  dirs=$(ls -d "$parts"/moe-*/ 2>/dev/null | while read -r d; do [ -f "$d/mismatch.json" ] && printf '%s,' "${d%/}"; done)
+  [ -n "$dirs" ] && $PY experiments/mismatch_study.py --merge "${dirs%,}" --out "$OUT/mismatch_h200" 2>&1 | quiet
+  for recipe in bf16 bf16_train_fp8_rollout fp8_block mxfp8 nvfp4; do
+    [ -f "$parts/curves_$recipe/recipe_curves.json" ] && finished="$finished,$recipe"
+  done
+  [ -n "$finished" ] && $PY experiments/recipe_curves.py --from-runs --recipes "${finished#,}" --steps 100 \
+      --set data.prompts_per_step=64 --runs-dir "$OUT/runs" --out "$OUT/recipe_curves_h200" 2>&1 | quiet
+  tail -n 3 "$parts"/*.log
+  (cd "$OUT" && tar czf parallel.tar.gz --exclude='checkpoints' --exclude='*.orbax*' mismatch_h200 recipe_curves_h200 parts \
+     $(find runs -name 'metrics.jsonl' 2>/dev/null) 2>/dev/null; ls -la parallel.tar.gz)
+}
+
 case "${1:-}" in
+  parallel) parallel "${2:-540}" ;;
   tests) $PY -m pytest -v -m gpu tests -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
   gemm) $PY experiments/benchmarks/gemm.py --out "$OUT/gemm_h200.json" 2>&1 | quiet | tee "$OUT/gemm.log" ;;
   breakdown) $PY experiments/benchmarks/linear_breakdown.py --out "$OUT/linear_breakdown_h200.json" 2>&1 | quiet | tee "$OUT/breakdown.log" ;;

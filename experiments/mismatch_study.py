@@ -191,18 +191,44 @@ def make_prompts(vocab: int, settings: StudySettings) -> list[list[int]]:
 # ------------------------------------------------------------------------------------------- calibration
 
 
-def entropy_of_scaled(logits: np.ndarray, scale: float) -> float:
-    """Mean entropy (nats) of softmax(scale * logits) over the leading axes; logits [..., V]."""
-    z = scale * logits.astype(np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=-1, keepdims=True)
-    return float(np.mean(-np.sum(p * np.log(np.maximum(p, 1e-300)), axis=-1)))
+def _entropies(z):
+    """Per-row entropy (nats) of softmax(z) over the last axis, float32 on the default device:
+    logsumexp(z) - sum(p z), stable for any scale."""
+    import jax
+    import jax.numpy as jnp
+
+    z = jnp.asarray(z, jnp.float32)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    return lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
 
 
-def scale_for_entropy(logits: np.ndarray, target: float, lo: float = 1e-3, hi: float = 1e5, iters: int = 100) -> float:
-    """The factor c > 0 with mean entropy of softmax(c * logits) == target (bisection on log c; entropy falls
-    monotonically as c grows). Fails clearly when the target is outside what scaling can reach."""
+def _mean_scaled_entropy():
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda logits, scale: jnp.mean(_entropies(scale * jnp.asarray(logits, jnp.float32))))
+
+
+_MEAN_SCALED_ENTROPY = None
+
+
+def entropy_of_scaled(logits, scale: float) -> float:
+    """Mean entropy (nats) of softmax(scale * logits) over the leading axes; logits [..., V] (numpy or a device
+    array). Computed on the device in float32: the calibration's 30-odd evaluations over [prompts, positions,
+    V] logits (1.3 GB at 128 x 80 x 32768) would take minutes each as float64 numpy on the host."""
+    global _MEAN_SCALED_ENTROPY
+    if _MEAN_SCALED_ENTROPY is None:
+        _MEAN_SCALED_ENTROPY = _mean_scaled_entropy()
+    return float(_MEAN_SCALED_ENTROPY(logits, np.float32(scale)))
+
+
+def scale_for_entropy(logits, target: float, lo: float = 1e-3, hi: float = 1e5, tol: float = 1e-7, max_iters: int = 200) -> float:
+    """The factor c > 0 with mean entropy of softmax(c * logits) == target (bisection on log c until the bracket
+    is narrower than `tol`; entropy falls monotonically as c grows). Fails clearly when the target is outside
+    what scaling can reach."""
+    import jax.numpy as jnp
+
+    logits = jnp.asarray(logits, jnp.float32)
     v = logits.shape[-1]
     if not 0 < target < math.log(v):
         raise ValueError(f"target entropy {target} nats must be in (0, log V = {math.log(v):.3f})")
@@ -210,7 +236,9 @@ def scale_for_entropy(logits: np.ndarray, target: float, lo: float = 1e-3, hi: f
     if not h_hi < target < h_lo:
         raise ValueError(f"target entropy {target} is not reachable by scaling lm_head (range {h_hi:.4f} .. {h_lo:.4f} nats)")
     a, b = math.log(lo), math.log(hi)
-    for _ in range(iters):
+    for _ in range(max_iters):
+        if b - a < tol:
+            break
         mid = 0.5 * (a + b)
         if entropy_of_scaled(logits, math.exp(mid)) > target:
             a = mid
@@ -248,8 +276,9 @@ def calibrate(model, prompts: list[list[int]], settings: StudySettings) -> dict:
     tail = rng.integers(0, cfg.vocab_size, size=(len(prompts), settings.max_new_tokens))
     ids = np.concatenate([np.asarray(prompts, np.int32), tail.astype(np.int32)], axis=1)
     policy = Policy(model, recipe=get_recipe("bf16"))
-    logits = np.asarray(policy.forward(ids, routed_experts=_routed_none(*ids.shape, cfg), precision="train").logits[:, :-1])
-    logits = logits / settings.temperature
+    # the logits stay on the device: the bisection evaluates the entropy there
+    logits = policy.forward(ids, routed_experts=_routed_none(*ids.shape, cfg), precision="train").logits[:, :-1]
+    logits = jnp.asarray(logits, jnp.float32) / settings.temperature
     before = entropy_of_scaled(logits, 1.0)
     c = scale_for_entropy(logits, settings.target_entropy)
     head = model.lm_head.weight
@@ -292,7 +321,8 @@ def rollout(model, recipe, prompts, settings: StudySettings):
 def recompute(model, recipe, tokens: np.ndarray, routed: np.ndarray, settings: StudySettings):
     """The trainer's recomputation of old log-probs (rl.trainer: forward in the training format with the
     given routing, then `token_logprobs(logits[:, :-1] / T, tokens[:, 1:])`). Returns (logp [B, L-1],
-    logits [B, L-1, V], the routing the forward used [B, L, layers, k])."""
+    the entropy of softmax(logits / T) at each position [B, L-1] (computed on the device: the logits are
+    [B, L, V] and never come to the host), the routing the forward used [B, L, layers, k])."""
     import jax.numpy as jnp
 
     from jaxrl_fp8.model import Policy
@@ -301,7 +331,8 @@ def recompute(model, recipe, tokens: np.ndarray, routed: np.ndarray, settings: S
     out = Policy(model, recipe=recipe).forward(tokens, routed_experts=routed, precision="train")
     logits = out.logits[:, :-1]
     logp = token_logprobs(logits, jnp.asarray(tokens[:, 1:]), settings.temperature)
-    return np.asarray(logp), np.asarray(logits), np.asarray(out.routed_experts)
+    entropy = _entropies(logits / settings.temperature)
+    return np.asarray(logp), np.asarray(entropy), np.asarray(out.routed_experts)
 
 
 def routing_flip_fraction(rollout_routed: np.ndarray, train_routed: np.ndarray, moe_layers: Sequence[int]) -> float:
@@ -318,11 +349,6 @@ def routing_flip_fraction(rollout_routed: np.ndarray, train_routed: np.ndarray, 
     return float(differ[valid].mean())
 
 
-def _mean_entropy(logits: np.ndarray, mask: np.ndarray, temperature: float) -> float:
-    z = logits[mask > 0].astype(np.float64) / temperature
-    return entropy_of_scaled(z, 1.0) if z.size else float("nan")
-
-
 def score(samples, model, recipe, settings: StudySettings, *, r3: bool) -> dict:
     """Mismatch metrics of one (recipe, R3 on/off) on the given rollout samples."""
     import jax.numpy as jnp
@@ -337,7 +363,7 @@ def score(samples, model, recipe, settings: StudySettings, *, r3: bool) -> dict:
     # no-R3 feeds an all -1 replay array: the model then routes every row itself (as routed_experts=None would)
     # and the same compiled program serves both variants
     routed_in = tb.routed_experts if r3 else _routed_none(*tb.tokens.shape, cfg)
-    logp, logits, used = recompute(model, recipe, tb.tokens, routed_in, settings)
+    logp, entropy, used = recompute(model, recipe, tb.tokens, routed_in, settings)
     mask = tb.response_mask
     mm = {k_: float(v) for k_, v in mismatch_metrics(jnp.asarray(logp), jnp.asarray(tb.rollout_logp), jnp.asarray(mask),
                                                     settings.tis_clip_low, settings.tis_clip).items()}
@@ -348,7 +374,7 @@ def score(samples, model, recipe, settings: StudySettings, *, r3: bool) -> dict:
         "bitwise_equal_token_frac": float(np.mean(logp[mask > 0].view(np.uint32) == tb.rollout_logp[mask > 0].view(np.uint32))),
         "delta_mean": float(delta.mean()),
         "routing_flip_frac": routing_flip_fraction(tb.routed_experts, used, cfg.moe_layers),
-        "train_entropy": _mean_entropy(logits, mask, settings.temperature),
+        "train_entropy": float(entropy[mask > 0].astype(np.float64).mean()) if mask.any() else float("nan"),
     }
 
 
@@ -581,19 +607,31 @@ def plot_r3(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _recipe_order(names: Sequence[str]) -> list[str]:
+    known = {r: i for i, r in enumerate(DEFAULT_RECIPES)}
+    first = {r: i for i, r in enumerate(names)}
+    return sorted(set(names), key=lambda r: (known.get(r, len(known)), first[r]))
+
+
 def merge_results(old: dict, new: dict) -> dict:
-    """`new` plus the sizes of `old` it did not re-measure (a sweep split over several runs, e.g. one per
-    device session). Settings, recipes and device must match; re-measured sizes replace the old rows."""
-    for key in ("settings", "recipes", "device"):
+    """`old` and `new` as one result: a sweep split over several runs (one per device session, or sizes and
+    recipe groups run by separate processes at once). Settings and device must match; a (size, recipe) that
+    `new` measured replaces `old`'s rows, everything else is kept. Recipes are the union, in the study's order."""
+    for key in ("settings", "device"):
         if old["meta"][key] != new["meta"][key]:
-            raise ValueError(f"--append: the existing results differ in {key} ({old['meta'][key]!r} vs {new['meta'][key]!r}); "
+            raise ValueError(f"merge: the results differ in {key} ({old['meta'][key]!r} vs {new['meta'][key]!r}); "
                              "use another --out or rerun every size")
-    fresh = {z["name"] for z in new["sizes"]}
-    sizes = sorted([z for z in old["sizes"] if z["name"] not in fresh] + new["sizes"], key=lambda z: z["params_total"])
-    order = {z["name"]: i for i, z in enumerate(sizes)}
-    rows = [r for r in old["results"] if r["size"] not in fresh] + new["results"]
-    rows.sort(key=lambda r: order[r["size"]])  # stable: recipe order within a size is kept
-    meta = dict(new["meta"], runtime_seconds=old["meta"]["runtime_seconds"] + new["meta"]["runtime_seconds"])
+    by_name = {z["name"]: z for z in old["sizes"]}
+    by_name.update({z["name"]: z for z in new["sizes"]})
+    sizes = sorted(by_name.values(), key=lambda z: z["params_total"])
+    recipes = _recipe_order(list(old["meta"]["recipes"]) + list(new["meta"]["recipes"]))
+    fresh = {(r["size"], r["recipe"]) for r in new["results"]}
+    rows = [r for r in old["results"] if (r["size"], r["recipe"]) not in fresh] + new["results"]
+    size_at = {z["name"]: i for i, z in enumerate(sizes)}
+    recipe_at = {r: i for i, r in enumerate(recipes)}
+    rows.sort(key=lambda r: (size_at[r["size"]], recipe_at.get(r["recipe"], len(recipe_at))))  # stable: R3 order kept
+    meta = dict(new["meta"], recipes=recipes,
+                runtime_seconds=old["meta"]["runtime_seconds"] + new["meta"]["runtime_seconds"])
     return {"meta": meta, "sizes": sizes, "results": rows}
 
 
@@ -643,12 +681,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="output directory (default: experiments/results/mismatch_<device>/)")
     p.add_argument("--append", action="store_true",
-                   help="merge into an existing mismatch.json in --out (same settings and recipes): sizes measured now replace "
-                        "theirs, the others are kept; for sweeps split over several runs")
+                   help="merge into an existing mismatch.json in --out (same settings): the (size, recipe) pairs measured now "
+                        "replace theirs, the others are kept; for sweeps split over several runs")
+    p.add_argument("--merge", default=None, metavar="DIR,DIR,...",
+                   help="measure nothing: merge the mismatch.json of these directories (sizes run by separate processes, "
+                        "same settings and recipes) and write the outputs to --out")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="JAX persistent compilation cache directory (reruns and split sweeps skip recompiling)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
+
+
+def _merge_dirs(dirs: Sequence[str], out: str) -> int:
+    merged = None
+    for d in dirs:
+        path = os.path.join(d, "mismatch.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--merge: {path} does not exist")
+        with open(path) as f:
+            part = json.load(f)
+        merged = part if merged is None else merge_results(merged, part)
+    for path in write_outputs(merged, out).values():
+        print(path)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -661,14 +716,18 @@ def main(argv=None) -> int:
                                  temperature=args.temperature, seed=args.seed, target_entropy=args.target_entropy,
                                  router_logit_std=args.router_logit_std, dtype=args.dtype, tis_clip_low=args.tis_clip_low,
                                  tis_clip=args.tis_clip)
+        if args.merge:
+            if not args.out:
+                raise ValueError("--merge needs --out")
+            return _merge_dirs([d.strip() for d in args.merge.split(",") if d.strip()], args.out)
         out = args.out or os.path.join(HERE, "results", f"mismatch_{device_name()[0]}")
         previous = None
         if args.append and os.path.exists(os.path.join(out, "mismatch.json")):
             with open(os.path.join(out, "mismatch.json")) as f:
                 previous = json.load(f)
-            for key, value in (("settings", dataclasses.asdict(settings)), ("recipes", recipes)):
-                if previous["meta"][key] != value:
-                    raise ValueError(f"--append: {out}/mismatch.json was measured with other {key} ({previous['meta'][key]!r})")
+            if previous["meta"]["settings"] != dataclasses.asdict(settings):
+                raise ValueError(f"--append: {out}/mismatch.json was measured with other settings "
+                                 f"({previous['meta']['settings']!r})")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

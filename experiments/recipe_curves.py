@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", default=None,
                    help="parent of the per-recipe workdirs (default: runs/recipe_curves_<device>/ in the repository)")
     p.add_argument("--overwrite", action="store_true", help="replace existing run directories under --runs-dir")
+    p.add_argument("--from-runs", action="store_true",
+                   help="train nothing: summarise and plot the finished workdirs --runs-dir/<recipe> (e.g. recipes trained "
+                        "by separate processes at once, one --recipes each)")
     return p
 
 
@@ -251,8 +254,14 @@ def main(argv=None) -> int:
     out = args.out or os.path.join(HERE, "results", f"recipe_curves_{device}")
     runs_dir = args.runs_dir or os.path.join(REPO, "runs", f"recipe_curves_{device}")
     try:
-        workdirs = run_recipes(base, recipes, args.steps, runs_dir, seed, overwrite=args.overwrite,
-                               log=lambda m: print(m, file=sys.stderr))
+        if args.from_runs:
+            workdirs = {r: os.path.join(runs_dir, r) for r in recipes}
+            missing = [wd for wd in workdirs.values() if not os.path.isfile(os.path.join(wd, "metrics.jsonl"))]
+            if missing:
+                raise ValueError(f"--from-runs: no metrics.jsonl in {', '.join(missing)}")
+        else:
+            workdirs = run_recipes(base, recipes, args.steps, runs_dir, seed, overwrite=args.overwrite,
+                                   log=lambda m: print(m, file=sys.stderr))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
