@@ -29,8 +29,15 @@ GROUPS_ALL="bf16 bf16_train_fp8_rollout,fp8_block bf16_train_mxfp8_rollout,mxfp8
 parallel() {
   local deadline=$(( $(date +%s) + ${1:?deadline seconds} )) parts="$OUT/parts" pids=() job
   mkdir -p "$parts"
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  launch() { local name=$1; shift; setsid "$@" > "$parts/$name.log" 2>&1 & pids+=($!); }
+  # 16 processes share the GPU's memory: no preallocation, memory returned when freed (the BFC allocator kept
+  # it and CUDA graphs needed more: 10 of 16 jobs ran out of memory on the H200 with preallocation off alone)
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
+  export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer="
+  launch() {  # PARALLEL_ONLY="name name ..." runs only those jobs (a rerun of the ones a call did not finish)
+    local name=$1; shift
+    [ -n "${PARALLEL_ONLY:-}" ] && [[ " $PARALLEL_ONLY " != *" $name "* ]] && return 0
+    setsid "$@" > "$parts/$name.log" 2>&1 & pids+=($!)
+  }
   launch moe-60M $PY experiments/mismatch_study.py --sizes moe-60M $STUDY_ARGS --out "$parts/moe-60M"
   launch moe-400M_a $PY experiments/mismatch_study.py --sizes moe-400M --recipes bf16,bf16_train_fp8_rollout,fp8_block $STUDY_ARGS --out "$parts/moe-400M_a"
   launch moe-400M_b $PY experiments/mismatch_study.py --sizes moe-400M --recipes bf16_train_mxfp8_rollout,mxfp8,nvfp4 $STUDY_ARGS --out "$parts/moe-400M_b"
