@@ -7,9 +7,14 @@
 #   bash experiments/h200_runs.sh decode     # embedded engine decode, BF16 vs FP8, batch 1 / 32 / 256, roofline
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
 #   bash experiments/h200_runs.sh curves     # recipe curves (short RL runs, identical seeds)
+#   bash experiments/h200_runs.sh diag       # GPU vs CPU bits of the XLA quantizers per XLA flag set (experiments/checks)
 #   bash experiments/h200_runs.sh parallel 540   # the whole mismatch sweep and the recipe curves at once (below)
 # decode and mismatch write their JSON after every point / size, so a stage cut short keeps what it measured.
-# The GPU image lacks ml_collections (and grain): install their wheels into a folder on PYTHONPATH first.
+# The GPU image lacks ml_collections, grain (+ array_record, portpicker) and tensorboardX: download their wheels into
+# .whl/ (the versions of .venv; `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux2014_x86_64 ...`), carry .whl and install them into a folder on PYTHONPATH first:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# (without grain and tensorboardX every training run - the recipe curves - stops at its first import).
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200_out}
@@ -75,6 +80,7 @@ parallel() {
 
 case "${1:-}" in
   parallel) parallel "${2:-540}" ;;
+  diag) $PY experiments/checks/nvfp4_gpu_diag.py --out "$OUT" --quick 2>&1 | quiet | tee "$OUT/diag.log" ;;
   tests) $PY -m pytest -v -m gpu tests -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
   gemm) $PY experiments/benchmarks/gemm.py --out "$OUT/gemm_h200.json" 2>&1 | quiet | tee "$OUT/gemm.log" ;;
   breakdown) $PY experiments/benchmarks/linear_breakdown.py --out "$OUT/linear_breakdown_h200.json" 2>&1 | quiet | tee "$OUT/breakdown.log" ;;
