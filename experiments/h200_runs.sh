@@ -8,6 +8,7 @@
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
 #   bash experiments/h200_runs.sh curves     # recipe curves (short RL runs, identical seeds)
 #   bash experiments/h200_runs.sh diag       # GPU vs CPU bits of the XLA quantizers per XLA flag set (experiments/checks)
+#   bash experiments/h200_runs.sh invariance # which forward ops are row invariant on the GPU (experiments/checks)
 #   bash experiments/h200_runs.sh parallel 540   # the whole mismatch sweep and the recipe curves at once (below)
 # decode and mismatch write their JSON after every point / size, so a stage cut short keeps what it measured.
 # The GPU image lacks ml_collections, grain (+ array_record, portpicker) and tensorboardX: download their wheels into
@@ -80,6 +81,7 @@ parallel() {
 
 case "${1:-}" in
   parallel) parallel "${2:-540}" ;;
+  invariance) $PY experiments/checks/row_invariance.py --out "$OUT/row_invariance_h200.json" 2>&1 | quiet | tee "$OUT/invariance.log" ;;
   diag) $PY experiments/checks/nvfp4_gpu_diag.py --out "$OUT" --quick 2>&1 | quiet | tee "$OUT/diag.log" ;;
   tests) $PY -m pytest -v -m gpu tests -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
   gemm) $PY experiments/benchmarks/gemm.py --out "$OUT/gemm_h200.json" 2>&1 | quiet | tee "$OUT/gemm.log" ;;
