@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from pallas_kernels.kernel_cache import traced_once
 
 BLOCK_K = 128
 F32 = jnp.float32
@@ -278,6 +279,7 @@ def check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale: int, where: str
         raise ValueError(f"{where}: b_scale must be {want} ({b_rows_per_scale} rows per scale); got {b_scale.shape}")
 
 
+@traced_once("b_rows_per_scale", "out_dtype", "interpret", "config")
 def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 128, out_dtype=F32, interpret: bool = False, config: GemmConfig | None = None):
     """C = A . B^T with block scales (see module doc). Any M; N, K multiples of 128."""
     check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale, "gemm_dense.block_scaled_matmul")

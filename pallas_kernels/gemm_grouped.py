@@ -31,6 +31,7 @@ from pallas_kernels.gemm_dense import (
     uses_row_scales,
     zero_fill,
 )
+from pallas_kernels.kernel_cache import traced_once
 
 # Rows of the work-item table (int32 [4, T]).
 GROUP, BLOCK, OFFSET, SIZE = range(4)
@@ -140,6 +141,7 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+@traced_once("out_dtype", "interpret", "config")
 def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_dtype=F32, interpret: bool = False, config: GemmConfig | None = None):
     """a_q [M, K] e4m3 (rows sorted by group), a_scale [M, K/128]; b_q [E, N, K], b_scale [E, N/128, K/128].
 

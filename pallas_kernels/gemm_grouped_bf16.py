@@ -29,6 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemm_dense import F32, launch_persistent
 from pallas_kernels.gemm_grouped import staging_smem, walk_items, work_items
+from pallas_kernels.kernel_cache import traced_once
 
 TILE_K = 64  # 64 bf16 = 128 bytes: the widest swizzle
 LAYOUTS = ("nk", "kn")
@@ -128,6 +129,7 @@ def _kernel(items_gmem, a_gmem, b_gmem, o_gmem, *, cfg: Bf16GroupedConfig, layou
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+@traced_once("layout", "out_dtype", "interpret", "config")
 def grouped_matmul(x, w, group_sizes, *, layout: str = "nk", out_dtype=F32, interpret: bool = False, config: Bf16GroupedConfig | None = None):
     """x [M, C] bf16 rows sorted by group; w [E, O, C] ("nk") or [E, C, O] ("kn") bf16; -> [M, O].
 

@@ -39,6 +39,7 @@ from pallas_kernels.gemm_dense import (
 )
 from pallas_kernels import gemm_grouped_bf16
 from pallas_kernels.gemm_grouped import BLOCK, GROUP, OFFSET, SIZE, work_items
+from pallas_kernels.kernel_cache import traced_once
 
 DEFAULT = GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
 
@@ -117,6 +118,7 @@ def _kernel(ranges_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmC
         _expert_tiles(ranges_gmem, o_gmem, out_smem, cfg, run_tile)
 
 
+@traced_once("num_groups", "interpret", "config")
 def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, interpret: bool = False,
                       config: GemmConfig | None = None):
     """float32 [E, N, K]; same contract as `jaxrl_fp8.ops.grouping.grouped_wgrad_fp8`. N, K multiples of 128."""
@@ -166,6 +168,7 @@ def _bf16_kernel(ranges_gmem, a_gmem, b_gmem, o_gmem, *, cfg, num_items: int):
         _expert_tiles(ranges_gmem, o_gmem, out_smem, cfg, run_tile)
 
 
+@traced_once("num_groups", "interpret", "config")
 def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool = False,
                        config: gemm_grouped_bf16.Bf16GroupedConfig | None = None):
     """float32 [E, N, K] = per expert dy[rows]^T . x[rows] with BF16 operands; dy [M, N], x [M, K] sorted by

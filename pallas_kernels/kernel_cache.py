@@ -10,10 +10,17 @@ is what it should shorten (not yet re-measured).
 `install()` wraps Mosaic GPU's serialization step to drop that attribute, unless Mosaic dumps are requested
 (then the counter names the files, as upstream intends). Identical kernels then share one hash and one compile;
 different kernels still differ (the hash covers the whole module). If jax's internals move, this does nothing.
+
+`traced_once(...)` fixes the other half, the lowering: every call site of a kernel entry point traced the kernel
+body and lowered it to a Mosaic module again (measured here by lowering the 6-layer decode step of
+experiments/benchmarks/decode.py for CUDA on the CPU: 28 of its 29 s of lowering went to 51 Mosaic lowerings of
+13 distinct kernels). Wrapped in `jax.jit` with its configuration static, an entry point is traced once per
+(shapes, configuration), and JAX lowers each distinct jitted call once per program.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 _ATTR = "mosaic_gpu.dump_basename"
@@ -47,3 +54,23 @@ def install() -> bool:
     core._run_serde_pass = run_serde_pass
     _installed = True
     return True
+
+
+def traced_once(*static_argnames: str):
+    """Decorator for a kernel entry point: call it through one `jax.jit`, static in `static_argnames` (its
+    configuration: block sizes, dtypes, tiles, interpret), so identical calls share one trace and one lowering.
+    Numerics are unchanged: the body is the same, now inlined by XLA from a call."""
+
+    def wrap(fn):
+        import jax
+
+        jitted = jax.jit(fn, static_argnames=static_argnames)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            return jitted(*args, **kwargs)
+
+        call.jitted = jitted
+        return call
+
+    return wrap

@@ -25,6 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_fp8.precision.formats import AMAX_FLOOR, MXFP8_BLOCK, fp8_max
 from pallas_kernels import quantize_common as C
+from pallas_kernels.kernel_cache import traced_once
 
 F32 = jnp.float32
 WEIGHT_BLOCK = 128
@@ -105,6 +106,7 @@ def _check_group(group, what):
         raise ValueError(f"{what}: group size {group} not supported by the kernel (use one of {SUPPORTED_GROUPS})")
 
 
+@traced_once("group_size", "dtype", "pow2_scale", "interpret", "config")
 def fp8_per_token_group(x, group_size: int = 128, *, dtype=jnp.float8_e4m3fn, pow2_scale: bool = False,
                         interpret: bool = False, config: C.TileConfig | None = None):
     """Kernel form of `jaxrl_fp8.precision.quantize_fp8_per_token_group` (same outputs, bit for bit)."""
@@ -123,6 +125,7 @@ def fp8_per_token_group(x, group_size: int = 128, *, dtype=jnp.float8_e4m3fn, po
 MXFP8_IMPLS = ("v2", "v1")
 
 
+@traced_once("block", "dtype", "interpret", "config", "impl")
 def mxfp8(x, block: int = MXFP8_BLOCK, *, dtype=jnp.float8_e4m3fn, interpret: bool = False,
           config: C.TileConfig | None = None, impl: str = "v2"):
     """Kernel form of `jaxrl_fp8.precision.quantize_mxfp8`: (q, UE8M0 scale bytes [..., ceil(K/block)]).
@@ -209,6 +212,7 @@ def _quantize_blocks(w, *, out_dtype, pow2, cfg, interpret):
     return q, s.reshape(*lead, nb, kb)
 
 
+@traced_once("block", "dtype", "pow2_scale", "interpret", "config")
 def fp8_per_block(w, block=(WEIGHT_BLOCK, WEIGHT_BLOCK), *, dtype=jnp.float8_e4m3fn, pow2_scale: bool = False,
                   interpret: bool = False, config: C.TileConfig | None = None):
     """Kernel form of `jaxrl_fp8.precision.quantize_fp8_per_block` for 128 x 128 blocks ([N, K] or [..., N, K])."""

@@ -31,6 +31,7 @@ from jaxrl_fp8.precision.formats import AMAX_FLOOR, E4M3_MAX, NVFP4_BLOCK
 from jaxrl_fp8.precision.nvfp4 import _E2M1_THRESHOLDS, nvfp4_global_amax
 from pallas_kernels import quantize_common as C
 from pallas_kernels.quantize_fp8 import _check_input
+from pallas_kernels.kernel_cache import traced_once
 
 E4M3 = jnp.float8_e4m3fn
 # g = max(global_amax, 1e-10) / (6 * 448): computed in the kernel with div.rn.f32 (XLA:GPU's division is
@@ -267,6 +268,7 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl="v2"):
 IMPLS = ("v2", "v1")  # v1: the first kernel (wgmma layout, threshold compares, byte stores), kept for A/B timing
 
 
+@traced_once("four_over_six", "interpret", "config", "impl")
 def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool = False,
           config: C.TileConfig | None = None, impl: str = "v2"):
     """Kernel form of `jaxrl_fp8.precision.quantize_nvfp4`: (packed uint8 [..., Kp/2], e4m3 [..., Kp/16], g).

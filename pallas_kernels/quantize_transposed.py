@@ -31,6 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_fp8.precision.formats import AMAX_FLOOR, fp8_max
 from pallas_kernels import quantize_common as C
+from pallas_kernels.kernel_cache import traced_once
 
 F32 = jnp.float32
 GROUP = 128  # rows of x per group (the contract's 1x128 along M)
@@ -106,6 +107,7 @@ def supports(x) -> bool:
             and dtype in [jnp.dtype(d) for d in INPUT_DTYPES])
 
 
+@traced_once("group_size", "dtype", "pow2_scale", "interpret", "config")
 def fp8_transposed_per_token_group(x, group_size: int = GROUP, *, dtype=jnp.float8_e4m3fn, pow2_scale: bool = False,
                                    interpret: bool = False, config: C.TileConfig | None = None):
     """quantize_fp8_per_token_group(pad_rows(x, 128).T, 128) without the transposed copy (see module doc).
