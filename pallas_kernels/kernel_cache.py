@@ -15,7 +15,9 @@ different kernels still differ (the hash covers the whole module). If jax's inte
 body and lowered it to a Mosaic module again (measured here by lowering the 6-layer decode step of
 experiments/benchmarks/decode.py for CUDA on the CPU: 28 of its 29 s of lowering went to 51 Mosaic lowerings of
 13 distinct kernels). Wrapped in `jax.jit` with its configuration static, an entry point is traced once per
-(shapes, configuration), and JAX lowers each distinct jitted call once per program.
+(shapes, configuration), and JAX lowers each distinct jitted call once per program. Measured on this CPU, lowering
+for CUDA: the decode step 51 -> 14 Mosaic lowerings (lowering 21 -> 4.3 s); a 4-layer FP8 training step (forward and
+fp8 backward) 103 -> 34 (26 distinct), trace 21.2 -> 4.4 s, lowering 37.0 -> 6.5 s. GPU compile times not re-measured.
 """
 
 from __future__ import annotations
