@@ -449,12 +449,15 @@ def run_study(sizes: Sequence[SizeSpec], recipe_names: Sequence[str], settings: 
 def _result(size_rows, rows, recipe_names, settings: StudySettings, t_start: float) -> dict:
     import jax
 
+    from jaxrl_fp8.ops.high_precision import selected_form
+
     dev, kind = device_name()
     return {
         "meta": {
             "device": dev, "device_kind": kind, "jax_version": jax.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runtime_seconds": time.time() - t_start,
             "recipes": list(recipe_names), "settings": dataclasses.asdict(settings),
+            "high_precision_form": selected_form(),  # router / lm_head product (ops.high_precision)
             "weights": "random init (normal 0.02), routers rescaled to router_logit_std, lm_head rescaled to "
                        "target_entropy (see calibrate)",
             "prompts": f"{settings.num_prompts} prompts of {settings.prompt_len} uniform random tokens, numpy seed {settings.seed}",
@@ -487,7 +490,8 @@ def markdown(result: dict) -> str:
         "",
         f"{meta['prompts']}; {s['max_new_tokens']} sampled tokens each at temperature {s['temperature']}; "
         f"{meta['weights']}; target entropy {s['target_entropy']} nats, router logit std {s['router_logit_std']}; "
-        f"dtype {s['dtype']}; jax {meta['jax_version']}; {meta['runtime_seconds']:.0f} s.",
+        f"dtype {s['dtype']}; router / lm_head product {meta.get('high_precision_form', 'xla')}; jax {meta['jax_version']}; "
+        f"{meta['runtime_seconds']:.0f} s (summed over parts).",
         "",
         "Δ = trainer log-prob − rollout log-prob per sampled token. *exact* = every token bit-identical. "
         "Routing flips: share of (token, MoE layer) where the trainer's own top-k differs from the rollout's "
@@ -617,8 +621,8 @@ def merge_results(old: dict, new: dict) -> dict:
     """`old` and `new` as one result: a sweep split over several runs (one per device session, or sizes and
     recipe groups run by separate processes at once). Settings and device must match; a (size, recipe) that
     `new` measured replaces `old`'s rows, everything else is kept. Recipes are the union, in the study's order."""
-    for key in ("settings", "device"):
-        if old["meta"][key] != new["meta"][key]:
+    for key in ("settings", "device", "high_precision_form"):
+        if old["meta"].get(key, "xla") != new["meta"].get(key, "xla"):
             raise ValueError(f"merge: the results differ in {key} ({old['meta'][key]!r} vs {new['meta'][key]!r}); "
                              "use another --out or rerun every size")
     by_name = {z["name"]: z for z in old["sizes"]}

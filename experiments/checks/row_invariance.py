@@ -10,7 +10,8 @@ short device run, using the product's own functions:
 
   dense      ops.linear in each format (bf16, fp8-block, mxfp8, nvfp4), an attention-projection shape
   grouped    ops.grouped_linear (bf16, fp8-block): expert 0's first row alone vs among every expert's rows
-  high_prec  model.matmul.high_precision_linear at the router and lm_head shapes (float32 accumulation)
+  high_prec  model.matmul.high_precision_linear at the router and lm_head shapes (float32 accumulation), in its
+             default XLA form and in ops.high_precision's "split3" form (the Pallas BF16 kernel, a candidate fix)
   norm       model.numerics.rms_norm, softmax, log_softmax
   attention  model.attention.attention, "exact" and "xla": the decode query (Tq = 1 against a cache) vs the
              same query inside the full causal forward
@@ -63,6 +64,7 @@ def row_ops(s: dict):
 
     from jaxrl_fp8 import ops
     from jaxrl_fp8.model.matmul import high_precision_linear
+    from jaxrl_fp8.ops.high_precision import high_precision_dot
     from jaxrl_fp8.model.numerics import log_softmax, rms_norm, softmax
 
     rng = np.random.default_rng(0)
@@ -76,6 +78,8 @@ def row_ops(s: dict):
         out[f"dense {fmt}"] = (jax.jit(lambda x, fmt=fmt: ops.linear(x.astype(jnp.bfloat16), w_proj, fmt=fmt, out_dtype=jnp.float32)), h)
     out["router f32 (high_precision_linear)"] = (jax.jit(lambda x: high_precision_linear(x, w_router)), h)
     out["lm_head f32 (high_precision_linear)"] = (jax.jit(lambda x: high_precision_linear(x, w_head)), h)
+    out["router split3 (ops.high_precision)"] = (jax.jit(lambda x: high_precision_dot(x, w_router, "split3")), h)
+    out["lm_head split3 (ops.high_precision)"] = (jax.jit(lambda x: high_precision_dot(x, w_head, "split3")), h)
     out["rms_norm"] = (jax.jit(lambda x: rms_norm(x, scale, 1e-6)), h)
     out["softmax"] = (jax.jit(softmax), s["vocab"])
     out["log_softmax"] = (jax.jit(log_softmax), s["vocab"])

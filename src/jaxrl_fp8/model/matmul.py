@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxrl_fp8 import ops
 from jaxrl_fp8.ops.grouping import grouped_dot
-from jaxrl_fp8.ops.xla_gemm import dot_nt_f32
+from jaxrl_fp8.ops.high_precision import high_precision_dot
 from jaxrl_fp8.precision import QuantizedWeight
 
 F32 = jnp.float32
@@ -55,7 +55,8 @@ def grouped_linear(x: jax.Array, w, group_sizes: jax.Array, fmt: str | None, bac
 
 
 def high_precision_linear(x: jax.Array, w: jax.Array, out_dtype=F32) -> jax.Array:
-    """Row-invariant x . w^T with float32 accumulation in the operands' dtype (router, lm_head)."""
+    """Row-invariant x . w^T with float32 accumulation in the operands' dtype (router, lm_head); the form
+    (XLA dot or the split-BF16 kernel) is `ops.high_precision`'s."""
     lead = x.shape[:-1]
-    y = dot_nt_f32(x.reshape(-1, x.shape[-1]), w)
+    y = high_precision_dot(x.reshape(-1, x.shape[-1]), w)
     return y.reshape(*lead, w.shape[0]).astype(out_dtype)

@@ -1,0 +1,82 @@
+"""ops.high_precision: the split-BF16 ("split3") form of the router / lm_head product, in interpret mode.
+
+It exists to be row invariant on the GPU (the XLA form is a cuBLAS call there); on CPU the same kernel runs
+interpreted, so here: its error against float64 stays inside the split's bound, a row alone equals the row in a
+batch bit for bit, BF16 operands take the exact one-product path, the gradient is the float32 product's, and a
+bad setting of the switch names the variable."""
+
+import numpy as np
+import pytest
+
+import jaxrl_fp8  # noqa: F401  (before JAX starts a backend: it sets the contract's XLA flags)
+import jax
+import jax.numpy as jnp
+
+from jaxrl_fp8.ops import high_precision as H
+from jaxrl_fp8.ops.xla_gemm import dot_nt_f32
+
+FORM = "split3-interpret"
+
+
+def _operands(m, n, k, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1)))).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    return x, w
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 8, 64), (37, 200, 128), (130, 128, 192)])
+def test_split3_error_within_the_split_bound(m, n, k):
+    x, w = _operands(m, n, k)
+    y = np.asarray(jax.jit(lambda a, b: H.high_precision_dot(a, b, FORM))(x, w))
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    # each operand's tail is rounded to bf16 (2^-16 relative each), lo.lo is dropped (2^-16 * 2^-8), plus f32 sums
+    bound = 2.0 ** -15 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T) + 1e-30
+    assert y.shape == (m, n) and y.dtype == np.float32
+    assert np.all(np.abs(y - ref) <= bound), float(np.max(np.abs(y - ref) / bound))
+
+
+def test_split3_rows_do_not_depend_on_the_batch():
+    x, w = _operands(70, 256, 128, seed=1)
+    f = jax.jit(lambda a: H.high_precision_dot(a, jnp.asarray(w), FORM))
+    full = np.asarray(f(x))
+    for rows in (slice(0, 1), slice(0, 3), slice(5, 69)):
+        part = np.asarray(f(x[rows]))
+        assert part.tobytes() == full[rows].tobytes(), rows
+
+
+def test_bf16_operands_take_one_exact_product():
+    x, w = _operands(9, 128, 64, seed=2)
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    y = np.asarray(H.high_precision_dot(xb, wb, FORM))
+    xf, wf = np.asarray(xb, np.float64), np.asarray(wb, np.float64)
+    ref = xf @ wf.T  # bf16 products are exact in f64; only the kernel's float32 sums round
+    assert np.all(np.abs(y - ref) <= 64 * 2.0 ** -24 * (np.abs(xf) @ np.abs(wf).T))
+    hi, lo = H.split_bf16(jnp.asarray(x))
+    assert np.all(np.abs(np.asarray(hi, np.float64) + np.asarray(lo, np.float64) - x) <= 2.0 ** -16 * np.abs(x))
+
+
+def test_gradient_is_the_float32_products():
+    x, w = _operands(12, 128, 64, seed=3)
+    g = np.random.default_rng(4).standard_normal((12, 128)).astype(np.float32)
+
+    def loss(form):
+        return lambda a, b: jnp.sum(H.high_precision_dot(a, b, form) * g)
+
+    dx, dw = jax.grad(loss(FORM), argnums=(0, 1))(x, w)
+    dx0, dw0 = jax.grad(lambda a, b: jnp.sum(dot_nt_f32(a, b) * g), argnums=(0, 1))(x, w)
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx0))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw0))
+
+
+def test_form_switch(monkeypatch):
+    x, w = _operands(3, 8, 64)
+    monkeypatch.delenv(H.ENV, raising=False)
+    assert H.selected_form() == "xla"
+    np.testing.assert_array_equal(np.asarray(H.high_precision_dot(x, w)), np.asarray(dot_nt_f32(x, w)))
+    monkeypatch.setenv(H.ENV, "tf32")
+    with pytest.raises(ValueError, match="JAXRL_FP8_HIGH_PRECISION='tf32'"):
+        H.high_precision_dot(x, w)
+    # a contraction the kernel does not take stays on the XLA form
+    x2, w2 = _operands(3, 8, 40)
+    np.testing.assert_array_equal(np.asarray(H.high_precision_dot(x2, w2, FORM)), np.asarray(dot_nt_f32(x2, w2)))
