@@ -126,3 +126,33 @@ def test_bf16_train_fp8_rollout_mismatch_is_real():
           f"over {diffs.size} tokens")
     assert diffs.mean() > 0
     assert (diffs > 0).mean() > 0.5  # nearly every token differs, not a fluke
+
+
+def test_split3_router_and_head_keep_rollout_equal_trainer_bitwise(monkeypatch):
+    """The candidate GPU fix for row invariance (ops.high_precision "split3": router and lm_head on the Pallas BF16
+    kernel, interpreted here) keeps the unified rollout bitwise with the trainer. Own shapes: traced programs
+    keep the form they were traced with, so none of the programs above may be reused."""
+    from jaxrl_fp8.ops import high_precision
+
+    monkeypatch.setenv(high_precision.ENV, "split3-interpret")
+    traced = []  # the split form is what runs: count its traces (router + lm_head, rollout and trainer programs)
+    split_forward = high_precision._split3_forward
+    monkeypatch.setattr(high_precision, "_split3_forward", lambda *a: traced.append(1) or split_forward(*a))
+    cfg = tiny_config(num_hidden_layers=2, mlp_only_layers=(1,), hidden_size=128, vocab_size=384)
+    policy = random_policy(cfg, seed=4, dtype="float32", recipe=get_recipe("fp8_block"))
+    engine = EmbeddedEngine(policy, max_batch=2, max_seq_len=20, static_shapes=True)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=21), SamplingParams(temperature=0.8, max_new_tokens=4, seed=22)]
+    samples = engine.generate([[5, 17, 33], [100, 101, 102, 103, 104]], params)
+    rollout_traces = len(traced)
+    assert rollout_traces > 0
+    length = max(s.token_ids.size for s in samples) + 2
+    ids = np.zeros((len(samples), length), np.int32)
+    for i, s in enumerate(samples):
+        ids[i, : s.token_ids.size] = s.token_ids
+    out = policy.forward(ids, precision="train")
+    assert len(traced) > rollout_traces
+    temps = np.broadcast_to(np.asarray([p.temperature for p in params], np.float32)[:, None], ids.shape)
+    next_lp = np.asarray(sampling.token_logprobs(out.logits, np.roll(ids, -1, axis=1), temps))
+    for i, s in enumerate(samples):
+        p, t = s.prompt_ids.size, s.response_ids.size
+        np.testing.assert_array_equal(_bits(s.rollout_logprobs), _bits(next_lp[i, p - 1 : p - 1 + t]))
