@@ -78,6 +78,8 @@ def row_ops(s: dict):
         out[f"dense {fmt}"] = (jax.jit(lambda x, fmt=fmt: ops.linear(x.astype(jnp.bfloat16), w_proj, fmt=fmt, out_dtype=jnp.float32)), h)
     out["router f32 (high_precision_linear)"] = (jax.jit(lambda x: high_precision_linear(x, w_router)), h)
     out["lm_head f32 (high_precision_linear)"] = (jax.jit(lambda x: high_precision_linear(x, w_head)), h)
+    out["dense bf16 split3 (ops.high_precision)"] = (
+        jax.jit(lambda x: high_precision_dot(x.astype(jnp.bfloat16), w_proj.astype(jnp.bfloat16), "split3")), h)
     out["router split3 (ops.high_precision)"] = (jax.jit(lambda x: high_precision_dot(x, w_router, "split3")), h)
     out["lm_head split3 (ops.high_precision)"] = (jax.jit(lambda x: high_precision_dot(x, w_head, "split3")), h)
     out["rms_norm"] = (jax.jit(lambda x: rms_norm(x, scale, 1e-6)), h)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_fp8.ops import backends, operands as O
-from jaxrl_fp8.ops.xla_gemm import dot_nt_f32
+from jaxrl_fp8.ops.high_precision import high_precision_dot
 from jaxrl_fp8.precision import formats as F
 
 F32 = jnp.float32
@@ -54,8 +54,8 @@ def _forward(x, w, fmt, backend, out_dtype=F32):
     a round-to-nearest-even cast (the kernel's epilogue and XLA's convert are both RNE), without the float32
     [M, N] round trip through HBM."""
     n, k = _weight_nk(w)
-    if fmt == F.BF16:
-        return dot_nt_f32(x.astype(BF16), jnp.asarray(w).astype(BF16)), None
+    if fmt == F.BF16:  # BF16 operands, float32 accumulation: the XLA dot, or the row-invariant kernel form
+        return high_precision_dot(x.astype(BF16), jnp.asarray(w).astype(BF16)), None
     if fmt == F.FP8_BLOCK:
         be = backends.resolve(backend, fmt, n, k)
         xq, sa = O.fp8_act(x, be)
@@ -63,7 +63,7 @@ def _forward(x, w, fmt, backend, out_dtype=F32):
         gemm_out = out_dtype if jnp.dtype(out_dtype) in _GEMM_OUT_DTYPES else F32
         return backends.block_scaled_matmul(xq, sa, wq, sb, backend=be, out_dtype=gemm_out), (xq, sa, wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
-    return dot_nt_f32(xd, wd), (xd, wd)
+    return high_precision_dot(xd, wd), (xd, wd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))

@@ -1,11 +1,13 @@
-"""x . w^T with float32 accumulation for the router and lm_head, and a row-invariant GPU form of it.
+"""x . w^T with float32 accumulation outside the quantized kernels, and a row-invariant GPU form of it.
 
-The contract keeps the router and lm_head out of every quantized format. Their product has two implementations:
+Used for the router and lm_head (float32 or BF16 operands; the contract never quantizes them) and for the dense
+products of the BF16 format and of the emulated MXFP8 / NVFP4 formats (BF16 operands). Two implementations:
 
 - "xla" (the default everywhere): `lax.dot_general` with float32 accumulation. Row invariant on CPU (tested). On
   the GPU it is a cuBLAS call whose algorithm, and with it the summation order, may change with M, and whose float32
   inputs may be rounded to TF32; the rollout's decode step (M = batch) and the trainer's forward (M = B * T) can then
-  disagree in the last bits (docs/mismatch_study.md, H200).
+  disagree in the last bits (docs/mismatch_study.md, H200). (The FP8 block format's dense and every expert
+  product run on Pallas kernels, which are row invariant, and are not affected by this switch.)
 - "split3": each operand split exactly into a bfloat16 head and a bfloat16 tail (a = hi + lo up to 2^-16 |a|),
   three BF16 products on the Pallas grouped BF16 kernel with one group (fixed tiles: a row's K-order never depends
   on M), float32 accumulation in the kernel, summed in a fixed order: hi.hi + (hi.lo + lo.hi). The dropped lo.lo
