@@ -70,6 +70,9 @@ class EngineConfig:
     decode_loop: str = "while"  # "while": lax.while_loop in one jit; "python": a jitted step per token
     min_prompt_bucket: int = 8
     min_cache_bucket: int = 16
+    # the response-buffer bucket's floor: chunks asking for fewer new tokens share the program of this many (the
+    # loop still stops when every row is done); e.g. a 1-token and a 64-token request then compile once
+    min_new_bucket: int = 1
     # True: every chunk runs at (max_batch rows, max_seq_len prompt/cache/response), so exactly one program
     # compiles (steady serving, tests); False: shapes are bucketed to powers of two per chunk.
     static_shapes: bool = False
@@ -78,7 +81,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for name in ("max_batch", "max_seq_len", "min_prompt_bucket", "min_cache_bucket"):
+        for name in ("max_batch", "max_seq_len", "min_prompt_bucket", "min_cache_bucket", "min_new_bucket"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
@@ -669,7 +672,7 @@ class EmbeddedEngine:
             b = _bucket(n, 1, cfg.max_batch)
             p_b = _bucket(max(plen), cfg.min_prompt_bucket)
             s_b = _bucket(max(len(r.prompt) + r.params.max_new_tokens for r in chunk), cfg.min_cache_bucket)
-            n_b = _bucket(max(max_new, 1), 1)
+            n_b = _bucket(max(max_new, 1), cfg.min_new_bucket)
         if self.placement is not None:  # >= 2 rows on every device of the batch axes (padding rows are done)
             b = self.placement.rows_for(b)
         stops = [self._stop_ids(r.params) for r in chunk]
