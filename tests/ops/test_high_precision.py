@@ -80,3 +80,16 @@ def test_form_switch(monkeypatch):
     # a contraction the kernel does not take stays on the XLA form
     x2, w2 = _operands(3, 8, 40)
     np.testing.assert_array_equal(np.asarray(H.high_precision_dot(x2, w2, FORM)), np.asarray(dot_nt_f32(x2, w2)))
+
+
+def test_float32_operands_ask_for_float32_not_tf32():
+    """XLA's DEFAULT precision lets a GPU round float32 operands to TF32; the XLA form asks for HIGHEST when an
+    operand is float32 (same bits on CPU) and leaves BF16 products at DEFAULT."""
+    from jaxrl_fp8.ops.xla_gemm import dot_tn_f32
+
+    f32 = jax.ShapeDtypeStruct((4, 64), jnp.float32)
+    b16 = jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)
+    for fn in (dot_nt_f32, dot_tn_f32):
+        assert "HIGHEST" in jax.jit(fn).lower(f32, f32).as_text()
+        assert "HIGHEST" in jax.jit(fn).lower(b16, f32).as_text()
+        assert "HIGHEST" not in jax.jit(fn).lower(b16, b16).as_text()

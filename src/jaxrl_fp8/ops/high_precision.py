@@ -4,15 +4,16 @@ Used for the router and lm_head (float32 or BF16 operands; the contract never qu
 products of the BF16 format and of the emulated MXFP8 / NVFP4 formats (BF16 operands). Two implementations:
 
 - "xla" (the default everywhere): `lax.dot_general` with float32 accumulation. Row invariant on CPU (tested). On
-  the GPU it is a cuBLAS call whose algorithm, and with it the summation order, may change with M, and whose float32
-  inputs may be rounded to TF32; the rollout's decode step (M = batch) and the trainer's forward (M = B * T) can then
+  the GPU it is a cuBLAS call whose algorithm, and with it the summation order, may change with M (float32
+  operands are computed in float32, not TF32: `xla_gemm` asks for HIGHEST); the rollout's decode step (M = batch) and the trainer's forward (M = B * T) can then
   disagree in the last bits (docs/mismatch_study.md, H200). (The FP8 block format's dense and every expert
   product run on Pallas kernels, which are row invariant, and are not affected by this switch.)
 - "split3": each operand split exactly into a bfloat16 head and a bfloat16 tail (a = hi + lo up to 2^-16 |a|),
   three BF16 products on the Pallas grouped BF16 kernel with one group (fixed tiles: a row's K-order never depends
   on M), float32 accumulation in the kernel, summed in a fixed order: hi.hi + (hi.lo + lo.hi). The dropped lo.lo
   term is below 2^-16 of the product. BF16 operands (BF16 parameters) need only hi.hi: one product, exact.
-  The backward is the float32 XLA product either way (it does not enter the rollout / trainer comparison).
+  The backward is the float32 XLA product either way (it does not enter the rollout / trainer comparison). On the
+  GPU it runs on tensor cores, where the float32 XLA form (HIGHEST) does not.
 
 `JAXRL_FP8_HIGH_PRECISION` selects the form: unset or "xla", "split3" (the Mosaic kernel on a Hopper GPU, interpret
 mode elsewhere), "split3-interpret" (interpret mode; tests). Experimental until the H200 shows that split3 is row
@@ -89,7 +90,8 @@ def _split3_fwd(x, w, backend):
 
 def _split3_bwd(backend, res, g):
     x, w = res
-    dx = lax.dot_general(g, w.astype(F32), (((1,), (0,)), ((), ())), preferred_element_type=F32)
+    dx = lax.dot_general(g, w.astype(F32), (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                         preferred_element_type=F32)
     dw = dot_tn_f32(g, x.astype(F32))
     return dx.astype(x.dtype), dw.astype(w.dtype)
 

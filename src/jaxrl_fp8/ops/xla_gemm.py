@@ -35,16 +35,24 @@ def pad_rows_min2(x: jax.Array) -> jax.Array:
     return jnp.pad(x, [(0, 1)] + [(0, 0)] * (x.ndim - 1)) if x.shape[0] == 1 else x
 
 
+def _precision(a: jax.Array, b: jax.Array):
+    """HIGHEST when an operand is float32: XLA's DEFAULT lets a GPU round float32 operands to TF32 (10 mantissa bits),
+    and the contract's float32 products (router, lm_head, float32 parameters) mean float32. XLA:CPU computes the same
+    bits either way (checked). BF16 operands keep DEFAULT (their products are exact; HIGHEST could upcast them)."""
+    return lax.Precision.HIGHEST if jnp.dtype(F32) in (jnp.dtype(a.dtype), jnp.dtype(b.dtype)) else None
+
+
 def dot_nt_f32(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, K] . b [N, K]^T with float32 accumulation; row invariant (see module doc)."""
     m = a.shape[0]
-    out = lax.dot_general(pad_rows_min2(a), b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    out = lax.dot_general(pad_rows_min2(a), b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
+                          preferred_element_type=F32)
     return out[:m]
 
 
 def dot_tn_f32(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, N]^T . b [M, K] -> [N, K] with float32 accumulation (the wgrad shape)."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(a, b), preferred_element_type=F32)
 
 
 def expand_b_scale(b_scale: jax.Array, n: int, b_rows_per_scale: int) -> jax.Array:
