@@ -15,6 +15,10 @@ products of the BF16 format and of the emulated MXFP8 / NVFP4 formats (BF16 oper
   The backward is the float32 XLA product either way (it does not enter the rollout / trainer comparison). On the
   GPU it runs on tensor cores, where the float32 XLA form (HIGHEST) does not.
 
+Cost not yet measured: three tensor-core products instead of one, and the weight's split is recomputed on every
+call (for a float32 lm_head at decode about twice its bytes of extra traffic per step; caching the split with the
+prepared rollout weights would remove that).
+
 `JAXRL_FP8_HIGH_PRECISION` selects the form: unset or "xla", "split3" (the Mosaic kernel on a Hopper GPU, interpret
 mode elsewhere), "split3-interpret" (interpret mode; tests). Experimental until the H200 shows that split3 is row
 invariant there and what it costs (experiments/checks/row_invariance.py measures both forms).
