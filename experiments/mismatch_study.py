@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -191,35 +192,22 @@ def make_prompts(vocab: int, settings: StudySettings) -> list[list[int]]:
 # ------------------------------------------------------------------------------------------- calibration
 
 
-def _entropies(z):
-    """Per-row entropy (nats) of softmax(z) over the last axis, float32 on the default device:
-    logsumexp(z) - sum(p z), stable for any scale."""
-    import jax
-    import jax.numpy as jnp
-
-    z = jnp.asarray(z, jnp.float32)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    return lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
-
-
+@functools.cache
 def _mean_scaled_entropy():
+    """jit(mean entropy of softmax(scale * logits)), built once (the bisection calls it 30-odd times)."""
     import jax
     import jax.numpy as jnp
 
-    return jax.jit(lambda logits, scale: jnp.mean(_entropies(scale * jnp.asarray(logits, jnp.float32))))
+    from jaxrl_fp8.rl.losses import entropy_from_logits
 
-
-_MEAN_SCALED_ENTROPY = None
+    return jax.jit(lambda logits, scale: jnp.mean(entropy_from_logits(scale * jnp.asarray(logits, jnp.float32))))
 
 
 def entropy_of_scaled(logits, scale: float) -> float:
     """Mean entropy (nats) of softmax(scale * logits) over the leading axes; logits [..., V] (numpy or a device
     array). Computed on the device in float32: the calibration's 30-odd evaluations over [prompts, positions,
     V] logits (1.3 GB at 128 x 80 x 32768) would take minutes each as float64 numpy on the host."""
-    global _MEAN_SCALED_ENTROPY
-    if _MEAN_SCALED_ENTROPY is None:
-        _MEAN_SCALED_ENTROPY = _mean_scaled_entropy()
-    return float(_MEAN_SCALED_ENTROPY(logits, np.float32(scale)))
+    return float(_mean_scaled_entropy()(logits, np.float32(scale)))
 
 
 def scale_for_entropy(logits, target: float, lo: float = 1e-3, hi: float = 1e5, tol: float = 1e-7, max_iters: int = 200) -> float:
@@ -326,12 +314,13 @@ def recompute(model, recipe, tokens: np.ndarray, routed: np.ndarray, settings: S
     import jax.numpy as jnp
 
     from jaxrl_fp8.model import Policy
+    from jaxrl_fp8.rl.losses import entropy_from_logits
     from jaxrl_fp8.rl.trainer import token_logprobs
 
     out = Policy(model, recipe=recipe).forward(tokens, routed_experts=routed, precision="train")
     logits = out.logits[:, :-1]
     logp = token_logprobs(logits, jnp.asarray(tokens[:, 1:]), settings.temperature)
-    entropy = _entropies(logits / settings.temperature)
+    entropy = entropy_from_logits(logits / settings.temperature)
     return np.asarray(logp), np.asarray(entropy), np.asarray(out.routed_experts)
 
 
