@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrl_fp8 import precision as P
-from jaxrl_fp8.precision.arith import fp8_to_f32
+from jaxrl_fp8.precision.arith import bf16_to_f32, fp8_to_f32
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
@@ -23,6 +23,13 @@ def test_fp8_to_f32_equals_cast_on_every_code(dtype):
     want = np.asarray(jax.jit(lambda a: a.astype(jnp.float32))(q)).view(np.uint32)
     for got in (fp8_to_f32(q), jax.jit(fp8_to_f32)(q)):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want)  # NaN bits and -0.0 included
+
+
+def test_bf16_to_f32_equals_cast_on_every_code():
+    h = jax.lax.bitcast_convert_type(jnp.arange(1 << 16, dtype=jnp.uint32).astype(jnp.uint16), jnp.bfloat16)
+    want = np.asarray(jax.jit(lambda a: a.astype(jnp.float32))(h)).view(np.uint32)
+    for got in (bf16_to_f32(h), jax.jit(bf16_to_f32)(h)):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want)
 
 
 def test_fp8_to_f32_passes_other_dtypes_through():

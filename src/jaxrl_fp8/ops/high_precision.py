@@ -19,8 +19,9 @@ Cost not yet measured: three tensor-core products instead of one, and the weight
 call (for a float32 lm_head at decode about twice its bytes of extra traffic per step; caching the split with the
 prepared rollout weights would remove that).
 
-`JAXRL_FP8_HIGH_PRECISION` selects the form: unset or "xla", "split3" (the Mosaic kernel on a Hopper GPU, interpret
-mode elsewhere), "split3-interpret" (interpret mode; tests). Experimental until the H200 shows that split3 is row
+`JAXRL_FP8_HIGH_PRECISION` selects the form: unset or "xla", "split3" (its three products on the backend ops picks
+for any BF16 grouped GEMM: the Mosaic kernel on a Hopper GPU, the XLA grouped path elsewhere), "split3-interpret"
+(the kernel in interpret mode; CPU tests). Experimental until the H200 shows that split3 is row
 invariant there and what it costs (experiments/checks/row_invariance.py measures both forms).
 """
 
@@ -35,6 +36,7 @@ from jax import lax
 
 from jaxrl_fp8.ops import backends
 from jaxrl_fp8.ops.xla_gemm import dot_nt_f32, dot_tn_f32
+from jaxrl_fp8.precision.arith import bf16_to_f32
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -51,16 +53,21 @@ def selected_form() -> str:
 
 
 def split_bf16(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(hi, lo) bfloat16 with hi + lo == a up to the rounding of lo (2^-16 |a|); a - hi is exact in float32."""
+    """(hi, lo) bfloat16 with hi + lo == a up to the rounding of lo (2^-16 |a|); a - hi is exact in float32
+    (hi decoded from its bits, so no pass can fold the float32 -> bf16 -> float32 round trip away)."""
     a = jnp.asarray(a, F32)
     hi = a.astype(BF16)
-    return hi, (a - hi.astype(F32)).astype(BF16)
+    return hi, (a - bf16_to_f32(hi)).astype(BF16)
 
 
-def _kernel_backend(form: str) -> str:
-    if form == "split3-interpret":
-        return "interpret"
-    return "mosaic" if backends.default_device_is_hopper() else "interpret"
+def _backend(form: str, k: int) -> str | None:
+    """The BF16 grouped GEMM backend of the split form; None: the XLA dot (the "xla" form, or a contraction the
+    kernel does not take, under every form)."""
+    from pallas_kernels import gemm_grouped_bf16
+
+    if form == "xla" or not gemm_grouped_bf16.supports(_TILE_N, k):
+        return None
+    return backends.resolve_bf16_grouped("interpret" if form == "split3-interpret" else None, _TILE_N, k)
 
 
 def _split3_forward(x, w, backend: str):
@@ -103,19 +110,13 @@ def _split3_bwd(backend, res, g):
 _split3.defvjp(_split3_fwd, _split3_bwd)
 
 
-def supports_split3(n: int, k: int) -> bool:
-    del n  # any N: padded to the tile
-    from pallas_kernels import gemm_grouped_bf16
-
-    return gemm_grouped_bf16.supports(_TILE_N, k)
-
-
 def high_precision_dot(x: jax.Array, w: jax.Array, form: str | None = None) -> jax.Array:
     """float32 [M, N] = x [M, K] . w [N, K]^T (x, w float32 or bfloat16) in the selected form (see module doc).
     A shape the kernel does not take (K not a multiple of 64) uses "xla" under every form."""
     form = selected_form() if form is None else form
     if form not in FORMS:
         raise ValueError(f"high_precision_dot: form {form!r}; expected one of {', '.join(FORMS)}")
-    if form == "xla" or x.shape[0] == 0 or not supports_split3(w.shape[0], x.shape[1]):
+    backend = _backend(form, x.shape[1])
+    if backend is None or x.shape[0] == 0:
         return dot_nt_f32(x, w)
-    return _split3(x, w, _kernel_backend(form))
+    return _split3(x, w, backend)

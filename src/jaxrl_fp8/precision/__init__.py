@@ -6,7 +6,7 @@ else of jaxrl_fp8. The exact rules are in docs/decisions/0001-precision-contract
 """
 
 from jaxrl_fp8.precision import names
-from jaxrl_fp8.precision.arith import ceil_pow2, fp8_to_f32, ieee_div
+from jaxrl_fp8.precision.arith import bf16_to_f32, ceil_pow2, fp8_to_f32, ieee_div
 from jaxrl_fp8.precision.formats import (
     AMAX_FLOOR,
     BF16,

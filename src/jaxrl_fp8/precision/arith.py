@@ -68,6 +68,14 @@ def fp8_to_f32(q: jnp.ndarray) -> jnp.ndarray:
     return lax.bitcast_convert_type(mag | sign, F32)
 
 
+def bf16_to_f32(h: jnp.ndarray) -> jnp.ndarray:
+    """float32(h) for bfloat16 `h`, from the bits (bfloat16 is float32's top half): exact for every code, NaN bits
+    included. Why not `h.astype(float32)`: like the fp8 chain above, XLA:GPU may delete a float32 -> bf16 -> float32
+    convert chain inside one jit when excess precision is allowed, and `a - float32(bf16(a))` would become 0."""
+    u = lax.bitcast_convert_type(jnp.asarray(h, jnp.bfloat16), jnp.uint16).astype(jnp.uint32) << jnp.uint32(16)
+    return lax.bitcast_convert_type(u, F32)
+
+
 def ceil_pow2(s: jnp.ndarray) -> jnp.ndarray:
     """Smallest power of two >= s for positive normal float32 s, computed on the bits (exact, no log2)."""
     s = jnp.asarray(s, F32)
