@@ -38,4 +38,5 @@ def test_the_audit_sees_an_op_whose_rows_depend_on_the_batch(monkeypatch):
     rows = audit.audit_rows(audit._shapes(True), (1, 3, 16), log=lambda m: None)
     assert rows[0]["differing_by_batch"][1] == 0
     assert rows[0]["differing_by_batch"][3] > 0 and rows[0]["differing_by_batch"][16] > 0
-    assert audit._diff(np.float32([1.0, 2.0]), np.float32([1.0, np.nextafter(np.float32(2.0), np.float32(3.0))])) > 0
+    assert audit._diff(np.float32([1.0, 2.0]), np.float32([1.0, np.nextafter(np.float32(2.0), np.float32(3.0))])) == 1
+    assert audit._diff(np.float32([0.0, 3.0]), np.float32([-0.0, -3.0])) == 2  # elements, not bytes

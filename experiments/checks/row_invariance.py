@@ -53,8 +53,10 @@ def _shapes(small: bool) -> dict:
 
 
 def _diff(a, b) -> int:
+    """Elements of a and b whose bits differ (NaN payloads and -0.0 included)."""
     a, b = np.asarray(a), np.asarray(b)
-    return int(np.sum(a.view(np.uint8).reshape(a.shape + (-1,)) != b.view(np.uint8).reshape(b.shape + (-1,))))
+    bytes_a, bytes_b = a.view(np.uint8).reshape(a.shape + (-1,)), b.view(np.uint8).reshape(b.shape + (-1,))
+    return int(np.sum(np.any(bytes_a != bytes_b, axis=-1)))
 
 
 def row_ops(s: dict):
@@ -128,12 +130,7 @@ def audit_grouped(s: dict, batches, log=print) -> list[dict]:
         per_m = {}
         for m in batches:
             sizes = np.full(e, m // e, np.int32)
-            sizes[: m % e] += 1
-            sizes[0] = max(sizes[0], 1)
-            sizes[-1] -= sizes.sum() - m
-            if sizes[-1] < 0:  # tiny m: everything in expert 0
-                sizes[:] = 0
-                sizes[0] = m
+            sizes[: m % e] += 1  # m rows over the experts, expert 0 first (it holds row 0 for every m >= 1)
             per_m[m] = _diff(np.asarray(f(x[:m], jnp.asarray(sizes)))[0], alone)
         rows.append({"op": f"grouped {fmt}", "differing_by_batch": per_m})
         log(f"{'grouped ' + fmt:40s} " + "  ".join(f"M={m}: {d}" for m, d in per_m.items()))
