@@ -93,7 +93,7 @@ def _inputs(quick: bool):
     out["bench_f32_pattern"] = (rng.standard_normal((1024, 1024)) * np.exp2(rng.integers(-8, 8, (1024, 1)))).astype(np.float32)
     # 7. tests/converters/test_gpu_bitwise.py's stress tensor (its own generator): rows 1e-6 .. 1e3, a zero row, partial
     # blocks. On the H200 (2026-12-01) its jitted FP8 block quantization differed from the CPU in 213 of 549,120
-    # codes, all at e4m3 ties, while the division and the cast alone, each jitted on the GPU, agreed.
+    # codes (the 8 printed at or next to e4m3 ties), while the division and the cast alone, each jitted on the GPU, agreed.
     srng = np.random.default_rng(0)
     stress = srng.standard_normal((520, 1056)).astype(np.float32) * np.exp(srng.uniform(np.log(1e-6), np.log(1e3), (520, 1))).astype(np.float32)
     stress[7] = 0
