@@ -270,10 +270,12 @@ def main(argv=None) -> int:
     for s in summary.values():  # repository-relative where possible: the JSON is committed
         if os.path.abspath(s["workdir"]).startswith(REPO + os.sep):
             s["workdir"] = os.path.relpath(s["workdir"], REPO)
-    meta = {"device": device, "device_kind": kind, "steps": args.steps, "seed": seed, "config": os.path.relpath(args.config, HERE),
+    # with --from-runs the runs say how many steps they logged; --steps is only what was asked for
+    steps = max(v["steps"] for v in summary.values()) if args.from_runs else args.steps
+    meta = {"device": device, "device_kind": kind, "steps": steps, "seed": seed, "config": os.path.relpath(args.config, HERE),
             "overrides": list(args.set), "recipes": recipes, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     png = os.path.join(out, "recipe_curves.png")
-    plot_curves(workdirs, png, f"{len(recipes)} recipes, {args.steps} steps, seed {seed} ({device})")
+    plot_curves(workdirs, png, f"{len(recipes)} recipes, {steps} steps, seed {seed} ({device})")
     _write(os.path.join(out, "recipe_curves.json"), json.dumps({"meta": meta, "summary": summary}, indent=1) + "\n")
     _write(os.path.join(out, "recipe_curves.md"), markdown(summary, meta))
     for name in ("recipe_curves.png", "recipe_curves.json", "recipe_curves.md"):
