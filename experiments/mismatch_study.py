@@ -438,7 +438,7 @@ def run_study(sizes: Sequence[SizeSpec], recipe_names: Sequence[str], settings: 
 def _result(size_rows, rows, recipe_names, settings: StudySettings, t_start: float) -> dict:
     import jax
 
-    from jaxrl_fp8.ops.high_precision import selected_form
+    from jaxrl_fp8.ops.high_precision import effective_form
 
     dev, kind = device_name()
     return {
@@ -446,7 +446,7 @@ def _result(size_rows, rows, recipe_names, settings: StudySettings, t_start: flo
             "device": dev, "device_kind": kind, "jax_version": jax.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runtime_seconds": time.time() - t_start,
             "recipes": list(recipe_names), "settings": dataclasses.asdict(settings),
-            "high_precision_form": selected_form(),  # router / lm_head product (ops.high_precision)
+            "high_precision_form": effective_form(),  # router / lm_head product (ops.high_precision), "auto" resolved
             "weights": "random init (normal 0.02), routers rescaled to router_logit_std, lm_head rescaled to "
                        "target_entropy (see calibrate)",
             "prompts": f"{settings.num_prompts} prompts of {settings.prompt_len} uniform random tokens, numpy seed {settings.seed}",

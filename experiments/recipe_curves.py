@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-runs", action="store_true",
                    help="train nothing: summarise and plot the finished workdirs --runs-dir/<recipe> (e.g. recipes trained "
                         "by separate processes at once, one --recipes each)")
+    p.add_argument("--device-label", default=None, metavar="LABEL[:KIND]",
+                   help="with --from-runs: the device the runs trained on, when summarising elsewhere "
+                        "(e.g. 'h200:NVIDIA H200'; default: this machine's device)")
     return p
 
 
@@ -247,10 +250,16 @@ def main(argv=None) -> int:
         for assignment in args.set:
             apply_override(base, assignment)
         seed = base.seed if args.seed is None else args.seed
+        if args.device_label is not None and not args.from_runs:
+            raise ValueError("--device-label names the device of finished runs: use it with --from-runs")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    device, kind = _device_name()
+    if args.device_label:
+        device, _, kind = args.device_label.partition(":")
+        kind = kind or device
+    else:
+        device, kind = _device_name()
     out = args.out or os.path.join(HERE, "results", f"recipe_curves_{device}")
     runs_dir = args.runs_dir or os.path.join(REPO, "runs", f"recipe_curves_{device}")
     try:

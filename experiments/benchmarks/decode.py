@@ -189,6 +189,7 @@ def main(argv=None) -> int:
     from flax import nnx
 
     from jaxrl_fp8.model import Policy, Qwen3
+    from jaxrl_fp8.ops.high_precision import effective_form
     from jaxrl_fp8.precision import get_recipe
     from jaxrl_fp8.rollout.embedded import EmbeddedEngine, EngineConfig
 
@@ -219,6 +220,7 @@ def main(argv=None) -> int:
             "gen_len": args.gen_len,
             "sampling": "temperature 1, no top-k/top-p, ignore_eos, routed experts returned",
             "decode_loop": args.decode_loop,
+            "high_precision_form": effective_form(),  # router / lm_head / BF16 dense products (ops.high_precision)
             "bandwidth": {"hbm_spec_Bps": HBM_SPEC_BPS, "copy_measured_Bps": bw_copy, "copy_mib": args.copy_mib},
             "notes": [
                 "decode_tokens_per_s = batch*(gen_len-1) / (t(generate gen_len) - t(generate 1 token)): prefill excluded",
@@ -238,9 +240,10 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(0)
     results = []
-    for recipe_name in args.recipes.split(","):
-        recipe = get_recipe(recipe_name)
-        for batch in batches:
+    # batch-major: a run stopped at a time limit still has every recipe at the batches it reached
+    for batch in batches:
+        for recipe_name in args.recipes.split(","):
+            recipe = get_recipe(recipe_name)
             engine = EmbeddedEngine(Policy(model, recipe=recipe), engine_config=EngineConfig(
                 max_batch=batch, max_seq_len=args.prompt_len + args.gen_len, decode_loop=args.decode_loop,
                 min_new_bucket=args.gen_len))  # one program serves the gen_len and the 1-token runs

@@ -216,6 +216,10 @@ def main(argv=None):
     if args.quick:
         dense_cfgs = dense_cfgs[:2]
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}", flush=True)
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, python=platform.python_version(), anchors_reference_md=ANCHORS,
+                timing="median over 5 repetitions of 20 back-to-back jitted calls (wall clock / 20) after 3 warm-ups", time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    # written after every suite, so a run stopped at a time limit keeps what it measured
+    save = lambda: write_results(args.out, dict(meta=meta, results=RESULTS))
     try_run("copy", copy_bandwidth)
     if "dense" in suites:
         dense_suite(8192, 8192, 8192, dense_cfgs, "8192^3", baseline)
@@ -225,14 +229,14 @@ def main(argv=None):
             dense_suite(16384, n, k, dense_cfgs[:2], f"attn_{name} M16384", baseline)
             # decode: N / 128 tiles leave most SMs idle; 64-wide N tiles (column-scale mode) double the grid
             dense_suite(64, n, k, dense_cfgs[:2] + [C(64, 64, 4, 16, 0), C(64, 64, 2, 16, 0)], f"attn_{name} decode M64", baseline)
+        save()
     if "moe" in suites:
         moe_suite([dense_cfgs[0], dense_cfgs[-1]], args.quick)
+        save()
     if "linear" in suites:
         linear_fwd_bwd_suite(8192, 8192, 8192, "8192^3")
         linear_fwd_bwd_suite(16384, 2048, 4096, "attn_o M16384")
-    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, python=platform.python_version(), anchors_reference_md=ANCHORS,
-                timing="median over 5 repetitions of 20 back-to-back jitted calls (wall clock / 20) after 3 warm-ups", time=time.strftime("%Y-%m-%d %H:%M:%S"))
-    write_results(args.out, dict(meta=meta, results=RESULTS))
+    save()
     print("wrote", args.out)
 
 

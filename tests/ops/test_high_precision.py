@@ -45,6 +45,26 @@ def test_split3_rows_do_not_depend_on_the_batch():
         assert part.tobytes() == full[rows].tobytes(), rows
 
 
+def test_float32_by_bf16_skips_the_zero_tail_product():
+    """A float32 router over BF16 weights: the weight has no tail, so two products instead of three, with the
+    three-product form's bits (its hi.lo term is an exact zero) and the XLA form's float32 product on CPU."""
+    x, w = _operands(21, 128, 128, seed=7)
+    wb = jnp.asarray(w, jnp.bfloat16)
+    two = np.asarray(H.high_precision_dot(jnp.asarray(x), wb, FORM))
+    three = np.asarray(H.high_precision_dot(jnp.asarray(x), wb.astype(jnp.float32), FORM))
+    assert two.tobytes() == three.tobytes()
+    xla_mixed = np.asarray(H.high_precision_dot(jnp.asarray(x), wb, "xla"))
+    assert xla_mixed.tobytes() == np.asarray(dot_nt_f32(jnp.asarray(x), wb.astype(jnp.float32))).tobytes()
+    calls = []
+    real = H.backends.bf16_grouped_matmul
+    H.backends.bf16_grouped_matmul = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        H._split3_forward(jnp.asarray(x), wb, "interpret")
+    finally:
+        H.backends.bf16_grouped_matmul = real
+    assert len(calls) == 2
+
+
 def test_bf16_operands_take_one_exact_product():
     x, w = _operands(9, 128, 64, seed=2)
     xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
@@ -72,7 +92,9 @@ def test_gradient_is_the_float32_products():
 def test_form_switch(monkeypatch):
     x, w = _operands(3, 8, 64)
     monkeypatch.delenv(H.ENV, raising=False)
-    assert H.selected_form() == "xla"
+    assert H.selected_form() == "auto"
+    assert H.effective_form() == ("split3" if H.backends.default_device_is_hopper() else "xla")
+    assert H.effective_form("split3-interpret") == "split3-interpret"
     np.testing.assert_array_equal(np.asarray(H.high_precision_dot(x, w)), np.asarray(dot_nt_f32(x, w)))
     monkeypatch.setenv(H.ENV, "tf32")
     with pytest.raises(ValueError, match="JAXRL_FP8_HIGH_PRECISION='tf32'"):

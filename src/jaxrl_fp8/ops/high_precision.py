@@ -3,26 +3,26 @@
 Used for the router and lm_head (float32 or BF16 operands; the contract never quantizes them) and for the dense
 products of the BF16 format and of the emulated MXFP8 / NVFP4 formats (BF16 operands). Two implementations:
 
-- "xla" (the default everywhere): `lax.dot_general` with float32 accumulation. Row invariant on CPU (tested). On
-  the GPU it is a cuBLAS call whose algorithm, and with it the summation order, may change with M (float32
-  operands are computed in float32, not TF32: `xla_gemm` asks for HIGHEST); the rollout's decode step (M = batch) and the trainer's forward (M = B * T) can then
-  disagree in the last bits (docs/mismatch_study.md, H200). (The FP8 block format's dense and every expert
-  product run on Pallas kernels, which are row invariant, and are not affected by this switch.)
+- "xla": `lax.dot_general` with float32 accumulation. Row invariant on CPU (tested). On the GPU it is a cuBLAS
+  call whose algorithm, and with it the summation order, may change with M (float32 operands are computed in
+  float32, not TF32: `xla_gemm` asks for HIGHEST); the rollout's decode step (M = batch) and the trainer's
+  forward (M = B * T) then disagree in the last bits (H200: 0-35 % of tokens bit-identical, docs/mismatch_study.md).
+  (The FP8 block format's dense and every expert product run on Pallas kernels, which are row invariant, and
+  are not affected by this switch.)
 - "split3": each operand split exactly into a bfloat16 head and a bfloat16 tail (a = hi + lo up to 2^-16 |a|),
   three BF16 products on the Pallas grouped BF16 kernel with one group (fixed tiles: a row's K-order never depends
   on M), float32 accumulation in the kernel, summed in a fixed order: hi.hi + (hi.lo + lo.hi). The dropped lo.lo
   term is below 2^-16 of the product. BF16 operands (BF16 parameters) need only hi.hi: one product, exact.
-  The backward is the float32 XLA product either way (it does not enter the rollout / trainer comparison). On the
-  GPU it runs on tensor cores, where the float32 XLA form (HIGHEST) does not.
+  The backward is the float32 XLA product either way (it does not enter the rollout / trainer comparison).
+  Measured on the H200 (mismatch study, moe-60M): with it every unified recipe's rollout equals the trainer
+  bit for bit; with "xla" none does.
 
-Cost not yet measured: three tensor-core products instead of one, and the weight's split is recomputed on every
-call (for a float32 lm_head at decode about twice its bytes of extra traffic per step; caching the split with the
-prepared rollout weights would remove that).
-
-`JAXRL_FP8_HIGH_PRECISION` selects the form: unset or "xla", "split3" (its three products on the backend ops picks
-for any BF16 grouped GEMM: the Mosaic kernel on a Hopper GPU, the XLA grouped path elsewhere), "split3-interpret"
-(the kernel in interpret mode; CPU tests). Experimental until the H200 shows that split3 is row
-invariant there and what it costs (experiments/checks/row_invariance.py measures both forms).
+`JAXRL_FP8_HIGH_PRECISION` selects the form: unset or "auto" (the default: "split3" on a Hopper GPU, where the
+Mosaic kernel runs; "xla" everywhere else, where the XLA dot is already row invariant and cheaper), "xla",
+"split3" (its products on the backend ops picks for any BF16 grouped GEMM: the Mosaic kernel on a Hopper GPU,
+the XLA grouped path elsewhere), "split3-interpret" (the kernel in interpret mode; CPU tests).
+Cost of split3: three tensor-core products instead of one and the weight's split recomputed on every call
+(experiments/benchmarks/decode.py records the form it ran under).
 """
 
 from __future__ import annotations
@@ -41,14 +41,25 @@ from jaxrl_fp8.precision.arith import bf16_to_f32
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 ENV = "JAXRL_FP8_HIGH_PRECISION"
-FORMS = ("xla", "split3", "split3-interpret")
+FORMS = ("auto", "xla", "split3", "split3-interpret")
 _TILE_N = 128
 
 
 def selected_form() -> str:
-    form = os.environ.get(ENV, "xla") or "xla"
+    """The form `ENV` asks for (unset: "auto")."""
+    form = os.environ.get(ENV, "auto") or "auto"
     if form not in FORMS:
         raise ValueError(f"environment variable {ENV}={form!r}: expected one of {', '.join(FORMS)}")
+    return form
+
+
+def effective_form(form: str | None = None) -> str:
+    """The form that runs on the default device: "auto" resolved to "split3" on a Hopper GPU, else "xla"."""
+    form = selected_form() if form is None else form
+    if form not in FORMS:
+        raise ValueError(f"high_precision_dot: form {form!r}; expected one of {', '.join(FORMS)}")
+    if form == "auto":
+        return "split3" if backends.default_device_is_hopper() else "xla"
     return form
 
 
@@ -81,12 +92,15 @@ def _split3_forward(x, w, backend: str):
     def mm(a, b):
         return backends.bf16_grouped_matmul(a, b[None], sizes, backend=backend)
 
-    if jnp.dtype(x.dtype) == jnp.dtype(BF16) and jnp.dtype(w.dtype) == jnp.dtype(BF16):
-        y = mm(x, w)
-    else:
-        xh, xl = split_bf16(x)
-        wh, wl = split_bf16(w)
-        y = mm(xh, wh) + (mm(xh, wl) + mm(xl, wh))
+    is_bf16 = lambda a: jnp.dtype(a.dtype) == jnp.dtype(BF16)
+    # a BF16 operand has no tail (lo == 0), so its cross product is skipped: a float32 router over BF16
+    # parameters (or activations) takes two products, BF16 by BF16 one
+    xh, xl = (x, None) if is_bf16(x) else split_bf16(x)
+    wh, wl = (w, None) if is_bf16(w) else split_bf16(w)
+    cross = [mm(a, b) for a, b in ((xh, wl), (xl, wh)) if a is not None and b is not None]
+    y = mm(xh, wh)
+    if cross:
+        y = y + (cross[0] + cross[1] if len(cross) == 2 else cross[0])
     return y[:, :n]
 
 
@@ -111,12 +125,11 @@ _split3.defvjp(_split3_fwd, _split3_bwd)
 
 
 def high_precision_dot(x: jax.Array, w: jax.Array, form: str | None = None) -> jax.Array:
-    """float32 [M, N] = x [M, K] . w [N, K]^T (x, w float32 or bfloat16) in the selected form (see module doc).
+    """float32 [M, N] = x [M, K] . w [N, K]^T (x, w float32 or bfloat16, possibly mixed: a float32 x BF16 pair
+    is the float32 product) in the selected form (see module doc).
     A shape the kernel does not take (K not a multiple of 64) uses "xla" under every form."""
-    form = selected_form() if form is None else form
-    if form not in FORMS:
-        raise ValueError(f"high_precision_dot: form {form!r}; expected one of {', '.join(FORMS)}")
-    backend = _backend(form, x.shape[1])
+    backend = _backend(effective_form(form), x.shape[1])
     if backend is None or x.shape[0] == 0:
-        return dot_nt_f32(x, w)
+        common = jnp.promote_types(x.dtype, w.dtype)  # a float32 x BF16 pair is a float32 product
+        return dot_nt_f32(x.astype(common), w.astype(common))
     return _split3(x, w, backend)

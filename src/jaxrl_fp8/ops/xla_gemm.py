@@ -62,6 +62,21 @@ def expand_b_scale(b_scale: jax.Array, n: int, b_rows_per_scale: int) -> jax.Arr
     return jnp.repeat(b_scale, b_rows_per_scale, axis=0)[:n]
 
 
+def _block_dot():
+    """The float32 product of one K block of e4m3 values. Under the "xla" high-precision form (CPU) an XLA dot;
+    under split3 (Hopper: the form that makes every product outside the kernels row invariant) the values, exact
+    in bfloat16, go to the row-invariant Pallas BF16 kernel: a cuBLAS dot's summation order may change with M,
+    which made the unified fp8-block recipe differ from its rollout by ~1e-9 on layers too narrow for the FP8
+    kernels (H200, tiny config: key / value projections of width 64)."""
+    from jaxrl_fp8.ops import high_precision  # imports this module
+
+    form = high_precision.effective_form()
+    if form == "xla":
+        return lambda ab, bb: lax.dot_general(ab, bb, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    bf16 = jnp.bfloat16
+    return lambda ab, bb: high_precision.high_precision_dot(ab.astype(bf16), bb.astype(bf16), form)
+
+
 def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = BLOCK, out_dtype=F32):
     """C[M, N] = A[M, K] . B[N, K]^T with 1x128 scales on A and 128x128 (or 1x128) scales on B.
 
@@ -85,9 +100,11 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = B
     sa = jnp.pad(a_scale.astype(F32), [(0, mp - m), (0, 0)]).T  # [KB, M]
     sb = expand_b_scale(b_scale.astype(F32), n, b_rows_per_scale).T  # [KB, N]
 
+    block_dot = _block_dot()
+
     def step(acc, xs):
         ab, bb, sak, sbk = xs
-        partial = lax.dot_general(ab, bb, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+        partial = block_dot(ab, bb)
         return acc + partial * (sak[:, None] * sbk[None, :]), None
 
     acc, _ = lax.scan(step, jnp.zeros((mp, n), F32), (a_blocks, b_blocks, sa, sb))
