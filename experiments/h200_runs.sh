@@ -22,7 +22,7 @@ OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT" /tmp/jax_cache
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
-quiet() { grep -v "Warning\|warn(\|slow_operation\|Constant folding\|This isn't\|If you'd\|^$"; }
+quiet() { grep --line-buffered -v "Warning\|warn(\|slow_operation\|Constant folding\|This isn't\|If you'd\|^$"; }
 STUDY_ARGS="--num-prompts 128 --max-new-tokens 64 --no-progress"
 # Rollout groups of the study (recipes sharing a rollout format share one rollout).
 GROUPS_ALL="bf16 bf16_train_fp8_rollout,fp8_block bf16_train_mxfp8_rollout,mxfp8 nvfp4"
