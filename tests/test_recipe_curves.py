@@ -93,3 +93,17 @@ def test_cli_validation(capsys, tmp_path):
         assert action.help, action.option_strings
     keys = {k for _, ks in curves.PANELS for k in ks}
     assert {"reward_mean", "tis_clipfrac", "step_seconds"} <= keys
+
+
+def test_from_runs_with_a_device_label(tmp_path, capsys):
+    """Runs trained on another machine are summarised here under that machine's name; the label alone is refused."""
+    assert curves.main(["--recipes", "bf16", "--device-label", "h200"]) == 2
+    assert "--from-runs" in capsys.readouterr().err
+    runs = tmp_path / "runs"
+    _fake_run(runs / "bf16", 0.1, 0.0)
+    out = tmp_path / "out"
+    assert curves.main(["--from-runs", "--recipes", "bf16", "--steps", "4", "--runs-dir", str(runs), "--out", str(out),
+                        "--device-label", "h200:NVIDIA H200"]) == 0
+    meta = json.loads((out / "recipe_curves.json").read_text())["meta"]
+    assert (meta["device"], meta["device_kind"]) == ("h200", "NVIDIA H200")
+    assert "(h200)" in (out / "recipe_curves.md").read_text()
