@@ -610,10 +610,10 @@ def merge_results(old: dict, new: dict) -> dict:
     """`old` and `new` as one result: a sweep split over several runs (one per device session, or sizes and
     recipe groups run by separate processes at once). Settings and device must match; a (size, recipe) that
     `new` measured replaces `old`'s rows, everything else is kept. Recipes are the union, in the study's order."""
-    for key in ("settings", "device", "high_precision_form"):
-        if old["meta"].get(key, "xla") != new["meta"].get(key, "xla"):
-            raise ValueError(f"merge: the results differ in {key} ({old['meta'][key]!r} vs {new['meta'][key]!r}); "
-                             "use another --out or rerun every size")
+    for key in ("settings", "device", "high_precision_form"):  # results from before the form was recorded: "xla"
+        a, b = old["meta"].get(key, "xla"), new["meta"].get(key, "xla")
+        if a != b:
+            raise ValueError(f"merge: the results differ in {key} ({a!r} vs {b!r}); use another --out or rerun every size")
     by_name = {z["name"]: z for z in old["sizes"]}
     by_name.update({z["name"]: z for z in new["sizes"]})
     sizes = sorted(by_name.values(), key=lambda z: z["params_total"])

@@ -136,10 +136,8 @@ class MoE(nnx.Module):
     def __call__(self, x, ctx: _Ctx, replay=None):
         """x [N, H] -> (y [N, H], Routing)."""
         cfg = self.cfg
-        # float32 product; BF16 router weights stay BF16 so the split form knows they have no tail
-        router_w = self.router.weight.get_value()
-        router_w = router_w if router_w.dtype == jnp.bfloat16 else router_w.astype(F32)
-        logits = matmul.high_precision_linear(x.astype(F32), router_w)
+        # a float32 product; the weight keeps its dtype (BF16 weights have no tail for the split form to multiply)
+        logits = matmul.high_precision_linear(x.astype(F32), self.router.weight.get_value())
         routing = moe_lib.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, replay)
         if ctx.moe_impl is not None:  # tokens travel to the devices holding their experts and back
             fmts = tuple(ctx.fmt(f"layers.{self.layer}.moe.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj"))

@@ -12,17 +12,18 @@ products of the BF16 format and of the emulated MXFP8 / NVFP4 formats (BF16 oper
 - "split3": each operand split exactly into a bfloat16 head and a bfloat16 tail (a = hi + lo up to 2^-16 |a|),
   three BF16 products on the Pallas grouped BF16 kernel with one group (fixed tiles: a row's K-order never depends
   on M), float32 accumulation in the kernel, summed in a fixed order: hi.hi + (hi.lo + lo.hi). The dropped lo.lo
-  term is below 2^-16 of the product. BF16 operands (BF16 parameters) need only hi.hi: one product, exact.
-  The backward is the float32 XLA product either way (it does not enter the rollout / trainer comparison).
-  Measured on the H200 (mismatch study, moe-60M): with it every unified recipe's rollout equals the trainer
-  bit for bit; with "xla" none does.
+  term is below 2^-16 of the product. A BF16 operand has no tail: float32 x BF16 takes two products, BF16 x BF16
+  one (exact). The backward is the float32 XLA product either way (it does not enter the rollout / trainer
+  comparison). Measured on the H200 (mismatch study, 62M-3.7B): with it every unified recipe's rollout equals the
+  trainer bit for bit; with "xla" none does.
 
 `JAXRL_FP8_HIGH_PRECISION` selects the form: unset or "auto" (the default: "split3" on a Hopper GPU, where the
 Mosaic kernel runs; "xla" everywhere else, where the XLA dot is already row invariant and cheaper), "xla",
 "split3" (its products on the backend ops picks for any BF16 grouped GEMM: the Mosaic kernel on a Hopper GPU,
 the XLA grouped path elsewhere), "split3-interpret" (the kernel in interpret mode; CPU tests).
-Cost of split3: three tensor-core products instead of one and the weight's split recomputed on every call
-(experiments/benchmarks/decode.py records the form it ran under).
+Cost of split3: up to three tensor-core products instead of one, a float32 weight's split recomputed on every call,
+and the grouped kernel's N / 128 CTAs on narrow decode GEMMs (decision record 0008 has the decode numbers;
+experiments/benchmarks/decode.py records the form it ran under).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _backend(form: str, k: int) -> str | None:
 
 
 def _split3_forward(x, w, backend: str):
-    """float32 [M, N]: the three-product form (one product for BF16 operands), N padded to the kernel's tile."""
+    """float32 [M, N]: the split products (three, fewer when an operand is BF16), N padded to the kernel's tile."""
     m, k = x.shape
     n = w.shape[0]
     pad = (-n) % _TILE_N
