@@ -136,7 +136,7 @@ KERNELS = ("fp8_per_token_group", "mxfp8", "fp8_per_block", "nvfp4")
 
 
 def ab_cases(kernels):
-    """v1 vs v2 of NVFP4 and MXFP8 on the >= 256 MiB inputs: (name, shape, dtype, kernel fn, XLA fn, [(cfg, impl)])."""
+    """v1 vs v2 (vs v3 for NVFP4) of NVFP4 and MXFP8 on the >= 256 MiB inputs: (name, shape, dtype, kernel fn, XLA fn, [(cfg, impl)])."""
     T = Q.TileConfig
     bf16, f32 = jnp.bfloat16, jnp.float32
     g = 4.0
@@ -146,9 +146,10 @@ def ab_cases(kernels):
     both = [(T(), "v1"), (T(), "v2")]
     out = [
         # v2 is compute-bound with 2 warps per scheduler at 2 CTAs/SM: more resident CTAs hide its latency chains
-        ("nvfp4", (32768, 4096), bf16, *nv, both + [(T(stages=4), "v2"), (T(ctas_per_sm=1), "v2"), (T(ctas_per_sm=4), "v2"),
-                                                    (T(rows=256, ctas_per_sm=4), "v2"), (T(rows=128, ctas_per_sm=8), "v2")]),
-        ("nvfp4", (8192, 8192), f32, *nv, both),
+        # v3: v2 with branch-free per-row divisions (quantize_nvfp4._v2_gpu)
+        ("nvfp4", (32768, 4096), bf16, *nv, both + [(T(), "v3"), (T(stages=4), "v2"), (T(stages=4), "v3"), (T(ctas_per_sm=4), "v2"),
+                                                    (T(ctas_per_sm=4), "v3"), (T(rows=256, ctas_per_sm=4), "v3"), (T(rows=1024), "v3")]),
+        ("nvfp4", (8192, 8192), f32, *nv, both + [(T(), "v3")]),
         ("mxfp8", (32768, 4096), bf16, *mx, both + [(T(stages=4), "v2"), (T(ctas_per_sm=4), "v2")]),
     ]
     return [c for c in out if c[0] in kernels]
@@ -169,8 +170,8 @@ def cases(quick: bool, kernels=KERNELS):
     mx = (lambda x, cfg: Q.mxfp8(x, config=cfg), jax.jit(P.quantize_mxfp8))
     blk = (lambda x, cfg: Q.fp8_per_block(x, config=cfg), jax.jit(P.quantize_fp8_per_block))
     g = 4.0  # a given global amax (the kernel path the rollout uses)
-    # impl v2 divides with Markstein only; the division variants time v1
-    nv = (lambda x, cfg: Q.nvfp4(x, global_amax=g, config=cfg, impl="v2" if cfg.division == "markstein" else "v1"),
+    # impl v2/v3 divide with Markstein only; the division variants time v1
+    nv = (lambda x, cfg: Q.nvfp4(x, global_amax=g, config=cfg, impl="v3" if cfg.division == "markstein" else "v1"),
           jax.jit(lambda x: P.quantize_nvfp4(x, global_amax=g)))
     out = [
         ("fp8_per_token_group", (32768, 4096), bf16, *tok, tok_cfgs),

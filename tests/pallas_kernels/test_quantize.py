@@ -212,7 +212,7 @@ def test_nvfp4_f32_saturating_many_tiles_interpret():
         assert_same(a, b, n)
 
 
-@pytest.mark.parametrize("impl", ["v2", "v1"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v3"])
 def test_nvfp4_edge_cases_interpret(impl):
     x = edge_cases()
     packed, bs, g = Q.nvfp4(x, interpret=True, impl=impl)
@@ -416,7 +416,7 @@ def test_gpu_mxfp8(shape, in_dtype, impl):
     "shape,in_dtype,per_expert",
     [((4096, 4096), BF16, False), ((8, 768, 2048), BF16, True), ((3, 40, 48), F32, True), ((1000, 1000), F32, False)],
 )
-@pytest.mark.parametrize("impl", ["v2", "v1"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v3"])
 def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
     x = rand(shape, 8, in_dtype, spread=False)
     gam = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1) if per_expert else None
@@ -427,7 +427,7 @@ def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,division", [("v2", "markstein"), ("v1", "markstein"), ("v1", "div_rn")])
+@pytest.mark.parametrize("impl,division", [("v2", "markstein"), ("v1", "markstein"), ("v1", "div_rn"), ("v3", "markstein")])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
     """The benchmark's float32 case at a quarter of its size: many tiles per CTA, saturated block scales (it
@@ -440,30 +440,37 @@ def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["v2", "v3"])
 @pytest.mark.parametrize("in_dtype", [F32, BF16])
-def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype):
-    """The v2 kernel on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack."""
+def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype, impl):
+    """The v2 / v3 kernels on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack;
+    v3 also on blocks whose (amax / 6) / g overflows float32 (its Markstein guard) while x / d does not."""
     x = _nvfp4_boundary_input(256).astype(in_dtype)
     for gam in (6.0 * 448.0, None, 3.0):
-        got = Q.nvfp4(x, global_amax=gam, impl="v2")
+        got = Q.nvfp4(x, global_amax=gam, impl=impl)
         want = _cpu_reference(P.quantize_nvfp4, x, global_amax=gam)
         for a, b, n in zip(got, want, ("packed", "block scale", "global")):
             assert_same(a, b, f"{n} (global_amax={gam})")
     e = jnp.concatenate([edge_cases(8, 512), rand((120, 512), 9)], axis=0).astype(in_dtype)
-    for a, b, n in zip(Q.nvfp4(e, impl="v2"), _cpu_reference(P.quantize_nvfp4, e), ("packed", "block scale", "global")):
+    for a, b, n in zip(Q.nvfp4(e, impl=impl), _cpu_reference(P.quantize_nvfp4, e), ("packed", "block scale", "global")):
         assert_same(a, b, f"edge cases {n}")
+    huge = (rand((64, 512), 13, F32, spread=False) * jnp.float32(5e36)).astype(in_dtype)  # amax / 6 / g > f32 max at g = 1/2688; x / d is not
+    for a, b, n in zip(Q.nvfp4(huge, global_amax=1.0, impl=impl), _cpu_reference(P.quantize_nvfp4, huge, global_amax=1.0),
+                       ("packed", "block scale", "global")):
+        assert_same(a, b, f"overflowing block scale {n}")
     for shape in ((1, 48), (3, 40, 48), (4, 256, 1024)):
         x = rand(shape, 12, in_dtype, spread=False) * 5
         gam = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1) if len(shape) == 3 else None
-        got = Q.nvfp4(x, global_amax=gam, impl="v2")
+        got = Q.nvfp4(x, global_amax=gam, impl=impl)
         for a, b, n in zip(got, _cpu_reference(P.quantize_nvfp4, x, global_amax=gam), ("packed", "block scale", "global")):
             assert_same(a, b, f"{shape} {n}")
 
 
 @pytest.mark.gpu
-def test_gpu_nvfp4_v2_saturating_many_tiles():
-    """The float32 benchmark pattern (given amax 4.0, many tiles per CTA) through v2."""
+@pytest.mark.parametrize("impl", ["v2", "v3"])
+def test_gpu_nvfp4_v2_saturating_many_tiles(impl):
+    """The float32 benchmark pattern (given amax 4.0, many tiles per CTA) through v2 and v3."""
     x = _bench_pattern((4096, 4096), 0)
-    for a, b, n in zip(Q.nvfp4(x, global_amax=4.0, impl="v2"), _cpu_reference(P.quantize_nvfp4, x, global_amax=4.0),
+    for a, b, n in zip(Q.nvfp4(x, global_amax=4.0, impl=impl), _cpu_reference(P.quantize_nvfp4, x, global_amax=4.0),
                        ("packed", "block scale", "global")):
         assert_same(a, b, n)
