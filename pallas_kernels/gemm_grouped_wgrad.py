@@ -38,10 +38,10 @@ from pallas_kernels.gemm_dense import (
     zero_fill,
 )
 from pallas_kernels import gemm_grouped_bf16
-from pallas_kernels.gemm_grouped import BLOCK, GROUP, OFFSET, SIZE, work_items
+from pallas_kernels.gemm_grouped import BLOCK, DEFAULT_CONFIG, GROUP, OFFSET, SIZE, work_items
 from pallas_kernels.kernel_cache import traced_once
 
-DEFAULT = GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
+DEFAULT = DEFAULT_CONFIG  # the grouped forward's tiling (one K block per step, four stages)
 
 
 def _own_rows(items):
