@@ -561,7 +561,7 @@ class JnpOps:
     fadd = staticmethod(lambda a, b: a + F32(b))
 
 
-def e2m1_code(y_bits, ops):
+def e2m1_code(y_bits, ops, sign_bits=None):
     """E2M1 code (sign << 3 | magnitude) of clamp(y, -6, 6) from y's float32 bits, round-to-nearest-even.
 
     Equal to `jaxrl_fp8.precision.nvfp4.e2m1_codes(clip(y, -6, 6))` for every non-NaN float32 y (the
@@ -573,10 +573,13 @@ def e2m1_code(y_bits, ops):
                 after rounding bits at bit 22 to nearest even: (a + 0x1FFFFF + bit22) >> 22; a carry into the
                 exponent is the next code (codes are monotone in the bits).
     About 12 integer / float instructions per value instead of 7 compare-and-add pairs.
+    sign_bits: where the sign comes from (default y). The kernels pass x: y = x / d with d > 0 has x's sign
+    whenever y is not NaN, and when x / d overflows, the GPU's Markstein sequence returns NaN (inf - inf) instead
+    of +-inf; its magnitude bits still clamp to 6 (code 7), but a NaN's sign bit is not x's.
     """
     a = ops.minu(ops.and_(y_bits, 0x7FFFFFFF), 0x40C00000)
     small = ops.sub(ops.bits(ops.fadd(ops.float(a), 4194304.0)), 0x4A800000)
     bit22 = ops.and_(ops.shr(a, 22), 1)
     normal = ops.shr(ops.add(ops.add(a, bit22), (0x1FFFFF - (252 << 22)) & 0xFFFFFFFF), 22)
     mag = ops.select(ops.ltu(a, 0x3F800000), small, normal)
-    return ops.or_(mag, ops.and_(ops.shr(y_bits, 28), 8))
+    return ops.or_(mag, ops.and_(ops.shr(y_bits if sign_bits is None else sign_bits, 28), 8))

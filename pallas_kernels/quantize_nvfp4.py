@@ -135,7 +135,8 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
     Why the bits are the contract's: Markstein's corrections give RN(a/b) when r = RN(1/b) and the residuals
     do not underflow; where they could (amax / 6 below 2^-123), the block scale rounds to e4m3 0 whatever the
     float32 bits. A quotient past float32 max turns the corrections into inf - inf; any quotient with
-    a * r > 1e30 is far above 448, so it is replaced by 448, which is all min(., 448) would keep.
+    a * r > 1e30 is far above 448, so it is replaced by 448, which is all min(., 448) would keep. A given global
+    amax of inf makes g = inf and RN(1/g) = 0: there the quotient is t6 * 0 (0, or NaN for a NaN block), as div.rn.
     """
     layout = C.row_layout(NVFP4_BLOCK, in_dtype)
 
@@ -154,6 +155,8 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
         if branch_free_rows:
             r_g = o.div_rn(1.0, g)
             r_6 = o.f(RECIP_6)
+            # 1/g is 0 only for g = inf (a given global amax of inf): finite g <= f32 max / 2688 has a normal 1/g
+            g_is_inf = o.arith.cmpf(o.arith.CmpFPredicate.OEQ, r_g, o.f(0.0))
         regs = x.registers
         n_rows, n_vec = regs.shape[0], regs.shape[-2]
         rows = [idx[0] for idx, _ in zip(x.layout.thread_idxs(x.shape), range(regs.size))]
@@ -174,6 +177,7 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
                 t6 = o.markstein(amx, o.f(6.0), r_6)
                 tg = o.markstein(t6, g, r_g)
                 tg = o.fselect(o.fgt(o.mul(t6, r_g), 1.0e30), float(E4M3_MAX), tg)
+                tg = o.fselect(g_is_inf, o.mul(t6, r_g), tg)  # t6 / inf = 0 (NaN stays NaN); Markstein gives NaN
             else:
                 tg = o.div_rn(o.div_rn(amx, 6.0), g)
             byte = o.and_(o.cvt_f8x2(o.f(0.0), o.fmin(tg, float(E4M3_MAX)), "e4m3"), 0xFF)
@@ -188,8 +192,8 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
             for half in range(2):
                 w = None
                 for e in range(8):
-                    y = o.markstein(vals[half * 8 + e], dd, r)
-                    code = C.e2m1_code(o.bits(y), o)
+                    x_e = vals[half * 8 + e]
+                    code = C.e2m1_code(o.bits(o.markstein(x_e, dd, r)), o, sign_bits=o.bits(x_e))
                     code = code if e == 0 else o.shl(code, 4 * e)
                     w = code if w is None else o.or_(w, code)
                 words.append(arith.andi(w, mask))
@@ -223,7 +227,7 @@ def _v2_interpret(x, g):
     ok = d > 0
     dd = jnp.where(ok, d, F32(1.0))
     y = x / lax.optimization_barrier(C.row_broadcast(dd, x.shape))
-    codes = C.e2m1_code(o.bits(y), o)  # [tr, 16] uint32
+    codes = C.e2m1_code(o.bits(y), o, sign_bits=o.bits(x))  # [tr, 16] uint32; the sign from x, as on the GPU
     shifts = (jnp.arange(16, dtype=jnp.uint32) % 8) * 4
     shifted = (codes << shifts).reshape(x.shape[0], 2, 8)
     words = jnp.bitwise_or.reduce(shifted, axis=2)  # [tr, 2]

@@ -262,6 +262,15 @@ def test_e2m1_code_bits_equals_thresholds():
     want = np.asarray(P.nvfp4.e2m1_codes(jnp.clip(y, -6.0, 6.0))).astype(np.uint32)
     bad = got != want
     assert not bad.any(), f"{int(bad.sum())} differ, e.g. y={u[bad][:4].view(np.float32)}: {got[bad][:4]} vs {want[bad][:4]}"
+    # the kernels take the sign from x (y = x / d with d > 0): the magnitude still comes from y, the sign bit
+    # from sign_bits (here -y, so every sign flips) ...
+    flipped = np.asarray(e2m1_code(lax.bitcast_convert_type(y, jnp.uint32), JnpOps, sign_bits=lax.bitcast_convert_type(-y, jnp.uint32)))
+    np.testing.assert_array_equal(flipped & 7, want & 7)
+    np.testing.assert_array_equal(flipped >> 3, np.signbit(-np.asarray(y)).astype(np.uint32))
+    # ... and a quotient that overflowed, which the GPU's Markstein sequence returns as NaN, codes as +-6 by x
+    nan_bits = jnp.asarray(np.array([0x7FFFFFFF, 0xFFC00000, 0x7FC00000], np.uint32))  # NaNs the GPU may return
+    neg_x = lax.bitcast_convert_type(jnp.full((3,), -1e38, jnp.float32), jnp.uint32)
+    np.testing.assert_array_equal(np.asarray(e2m1_code(nan_bits, JnpOps, sign_bits=neg_x)), [15, 15, 15])
 
 
 def _nvfp4_boundary_input(rows=48):
@@ -458,6 +467,10 @@ def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype, impl):
     for a, b, n in zip(Q.nvfp4(huge, global_amax=1.0, impl=impl), _cpu_reference(P.quantize_nvfp4, huge, global_amax=1.0),
                        ("packed", "block scale", "global")):
         assert_same(a, b, f"overflowing block scale {n}")
+    for gam in (float("inf"), 1e-30):  # g = inf (every block scale 0), and the floored g (every scale 448)
+        for a, b, n in zip(Q.nvfp4(e, global_amax=gam, impl=impl), _cpu_reference(P.quantize_nvfp4, e, global_amax=gam),
+                           ("packed", "block scale", "global")):
+            assert_same(a, b, f"edge cases, global_amax={gam}: {n}")
     for shape in ((1, 48), (3, 40, 48), (4, 256, 1024)):
         x = rand(shape, 12, in_dtype, spread=False) * 5
         gam = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1) if len(shape) == 3 else None
