@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 VARIANTS = {
-    # name: (what it compiles, a one-line description)
+    # name -> what the child process compiles
     "dense_k1": "block-scaled FP8 dense GEMM, one K block per step, zeroed accumulators",
     "dense_k2": "block-scaled FP8 dense GEMM, two K blocks per step (8192^3 default), zeroed accumulators",
     "dense_k2_col": "as dense_k2 with per-column B scales (the wgrad GEMM's column mode)",
