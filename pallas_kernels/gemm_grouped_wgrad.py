@@ -41,8 +41,6 @@ from pallas_kernels import gemm_grouped_bf16
 from pallas_kernels.gemm_grouped import BLOCK, DEFAULT_CONFIG, GROUP, OFFSET, SIZE, work_items
 from pallas_kernels.kernel_cache import traced_once
 
-DEFAULT = DEFAULT_CONFIG  # the grouped forward's tiling (one K block per step, four stages)
-
 
 def _own_rows(items):
     """bool [T, 128]: which rows of item t's 128-row block belong to item t's expert."""
@@ -137,7 +135,7 @@ def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups:
                          f"{dyt_scale.shape}, {xt_scale.shape}")
     if group_sizes.shape != (num_groups,):
         raise ValueError(f"{where}: group_sizes must be [{num_groups}]; got {group_sizes.shape}")
-    cfg = config or DEFAULT
+    cfg = config or DEFAULT_CONFIG  # the grouped forward's tiling
     if cfg.k_blocks_per_step != 1:
         cfg = dataclasses.replace(cfg, k_blocks_per_step=1)  # an expert's block count may be odd
     items = work_items(group_sizes, m, BLOCK_K)

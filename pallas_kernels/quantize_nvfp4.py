@@ -19,8 +19,8 @@ import functools
 import math
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -175,9 +175,10 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
             amx = o.fselect(o.fle(amx, C.F32_MAX), amx, float("nan"))  # NaN if the block held NaN or inf
             if branch_free_rows:
                 t6 = o.markstein(amx, o.f(6.0), r_6)
+                q0 = o.mul(t6, r_g)  # the sequence's first estimate, for the two cases it cannot finish
                 tg = o.markstein(t6, g, r_g)
-                tg = o.fselect(o.fgt(o.mul(t6, r_g), 1.0e30), float(E4M3_MAX), tg)
-                tg = o.fselect(g_is_inf, o.mul(t6, r_g), tg)  # t6 / inf = 0 (NaN stays NaN); Markstein gives NaN
+                tg = o.fselect(o.fgt(q0, 1.0e30), float(E4M3_MAX), tg)  # overflow: anything past 448 is 448
+                tg = o.fselect(g_is_inf, q0, tg)  # t6 / inf = 0 (NaN stays NaN); Markstein gives NaN
             else:
                 tg = o.div_rn(o.div_rn(amx, 6.0), g)
             byte = o.and_(o.cvt_f8x2(o.f(0.0), o.fmin(tg, float(E4M3_MAX)), "e4m3"), 0xFF)
@@ -253,7 +254,7 @@ def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, *, rows_per_
 
 
 @functools.partial(jax.jit, static_argnames=("groups", "cfg", "interpret", "impl"))
-def _quantize(x, global_amax, *, groups, cfg, interpret, impl="v3"):
+def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     """x [..., K]; global_amax float32 [groups] (one per leading slice of x.shape[:-1]) -> packed, bs, g."""
     lead, k = x.shape[:-1], x.shape[-1]
     pad = (-k) % NVFP4_BLOCK
