@@ -7,7 +7,9 @@ import here means an API move breaks one file.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
+import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # Kernels size their persistent grid from the device's SM count; interpret mode has none, so a small
@@ -15,8 +17,25 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 INTERPRET_NUM_SMS = 3
 
 
+_warned_async = False
+
+
+def _warn_if_async_dispatch() -> None:
+    """Interpret mode can deadlock under the CPU client's asynchronous dispatch (tests/conftest.py says how);
+    say so once, with the fix, instead of hanging silently."""
+    global _warned_async
+    if jax.config.read("jax_cpu_enable_async_dispatch") and not _warned_async:
+        _warned_async = True
+        warnings.warn(
+            "Mosaic GPU interpret mode with jax_cpu_enable_async_dispatch=True can deadlock (XLA's in-flight "
+            "computation limit is reached while a kernel's host callback launches nested computations); set "
+            "jax.config.update('jax_cpu_enable_async_dispatch', False) before the first JAX computation",
+            RuntimeWarning, stacklevel=3)
+
+
 @contextlib.contextmanager
 def gpu_interpret_mode():
+    _warn_if_async_dispatch()
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         yield
 

@@ -4,9 +4,19 @@ import os
 
 import pytest
 
+import jax
+
 import jaxrl_fp8  # noqa: F401  (first: sets the XLA flags of the precision contract before JAX starts)
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# Mosaic GPU's interpret mode runs jitted code inside host callbacks of the kernel's own computation. With the CPU
+# client's asynchronous dispatch, queued computations that wait on the kernel's outputs each hold one of XLA's
+# 32 in-flight slots, and the callback's nested launch then waits for a slot forever (seen in CI and reproduced
+# here: gdb shows the callback thread and the main thread in xla::Semaphore::Acquire under
+# CpuPjRtRawLoadedExecutable::Execute). Inline dispatch holds a slot only while a computation runs. Read when the
+# CPU client is created, so before any test touches JAX.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 def _has_gpu() -> bool:
