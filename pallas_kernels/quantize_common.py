@@ -152,6 +152,20 @@ def ieee_div(a, b, *, layout, mode: str):
 # within one ulp of x/s, so by Markstein's theorem the last step returns RN(x/s), the IEEE quotient. The
 # residual is written s*q - x (not x - s*q) so that x = -0.0 gives -0.0. Valid for s positive normal or
 # NaN and |x / s| < 2^126 (always true here: |x| <= amax and s >= amax / fmax).
+# One correction (NVFP4 v4, bfloat16 x): q0 = x * r; e = x - q0 * d; q1 = q0 + e * r. With r = RN(1/d) it is
+# RN(x / d) for every bfloat16 x and every float32 d while nothing overflows or underflows: checked exhaustively,
+# all 2^7 bfloat16 significands times all 2^23 float32 significands (the all-ones one included), in exact integer
+# arithmetic (experiments/checks/nvfp4_v4_formulas.py, results/nvfp4_v4_formulas_cpu.json). Float32 x has 2^23
+# significands, too many to check, so it keeps the two-correction _MARKSTEIN_PTX.
+_MARKSTEIN_ONCE_PTX = """{
+  .reg .f32 q, e, nx;
+  mul.rn.f32 q, $1, $3;
+  neg.f32 nx, $1;
+  fma.rn.f32 e, $2, q, nx;
+  neg.f32 e, e;
+  fma.rn.f32 $0, e, $3, q;
+}"""
+
 _MARKSTEIN_PTX = """{
   .reg .f32 q, e, nx;
   mul.rn.f32 q, $1, $3;
@@ -477,6 +491,18 @@ class MlirOps:
     def fmin(self, a, b):
         return self.arith.minimumf(a, self._cf(b))
 
+    def fmin_num(self, a, b):
+        """PTX min.f32: the non-NaN operand when one is NaN (not minimumf's NaN)."""
+        return self.arith.minnumf(a, self._cf(b))
+
+    def fmax_num(self, a, b):
+        return self.arith.maxnumf(a, self._cf(b))
+
+    def fma(self, a, b, c):
+        """fma.rn.f32 a * b + c, one rounding (inline PTX so LLVM cannot split or reassociate it)."""
+        return self.asm(self.f32, [self._cf(a), self._cf(b), self._cf(c)], "fma.rn.f32 $0, $1, $2, $3;",
+                        "=f,f,f,f")
+
     def fle(self, a, b):
         return self.arith.cmpf(self.arith.CmpFPredicate.OLE, a, self._cf(b))
 
@@ -502,6 +528,10 @@ class MlirOps:
     def markstein(self, x, s, r):
         """IEEE x / s given r = div.rn(1, s) (see _MARKSTEIN_PTX)."""
         return self.asm(self.f32, [x, s, r], _MARKSTEIN_PTX, "=f,f,f,f")
+
+    def markstein_once(self, x, s, r):
+        """x / s with one correction (see _MARKSTEIN_ONCE_PTX for when it is RN(x / s))."""
+        return self.asm(self.f32, [x, s, r], _MARKSTEIN_ONCE_PTX, "=f,f,f,f")
 
     def cvt_f8x2(self, hi, lo, name: str):
         """RNE satfinite cast of two float32 to one fp8 pair (lo in the low byte), as an i32 (upper 16 bits 0)."""
@@ -559,6 +589,14 @@ class JnpOps:
     select = staticmethod(lambda c, a, b: jnp.where(c, jnp.uint32(a) if isinstance(a, int) else a,
                                                     jnp.uint32(b) if isinstance(b, int) else b))
     fadd = staticmethod(lambda a, b: a + F32(b))
+    fmin_num = staticmethod(lambda a, b: jnp.fmin(a, F32(b)))  # NaN-ignoring, as PTX min.f32
+    fmax_num = staticmethod(lambda a, b: jnp.fmax(a, F32(b)))
+    abs = staticmethod(jnp.abs)
+
+    @staticmethod
+    def fma(a, b, c):
+        """a * b + c for the exact products the formulas use (b a power of two): one rounding, as fma.rn.f32."""
+        return a * F32(b) + c
 
 
 def e2m1_code(y_bits, ops, sign_bits=None):
@@ -583,3 +621,47 @@ def e2m1_code(y_bits, ops, sign_bits=None):
     normal = ops.shr(ops.add(ops.add(a, bit22), (0x1FFFFF - (252 << 22)) & 0xFFFFFFFF), 22)
     mag = ops.select(ops.ltu(a, 0x3F800000), small, normal)
     return ops.or_(mag, ops.and_(ops.shr(y_bits if sign_bits is None else sign_bits, 28), 8))
+
+
+# ------------------------------------------------------------------------------------- NVFP4 v4 formulas
+# Cheaper per-value forms for the NVFP4 v4 body, written over `ops` (MlirOps on the GPU, JnpOps in interpret mode
+# and in the exhaustive checks of experiments/checks/nvfp4_v4_formulas.py). Decision record 0006 gives the counts.
+
+# What `e2m1_magnitude_biased` adds to every magnitude; a word of eight carries it times 0x11111111 (mod 2^32).
+E2M1_BIAS = 0x0B0000FE
+E2M1_WORD_BIAS = (E2M1_BIAS * 0x11111111) & 0xFFFFFFFF
+
+
+def e2m1_magnitude_biased(y, ops):
+    """E2M1 magnitude code of min(|y|, 6), round-to-nearest-even, plus E2M1_BIAS (mod 2^32): 6 instructions.
+
+    One magic add for every binade instead of e2m1_code's two paths and select: with P = 2^max(e, 0) (e the
+    exponent of a = min(|y|, 6); P in {1, 2, 4}), s = a + P * 2^22 rounds a to a multiple of P / 2, ties to even,
+    which is the E2M1 grid spacing of a's binade (0.5 below 2, then 1, then 2). bits(s) - bits(P) is then
+    bits(2^22) - bits(1) + n with n = a / (P / 2) rounded (0..4 for P = 1, 2..4 for P = 2, 2..3 for P = 4), and
+    the code is n + 2e = n + (bits(P) >> 22) - 254; the constants are E2M1_BIAS, removed once per word.
+    a = min(|y|, 6) with PTX min.f32 semantics: a NaN y (the Markstein quotient past float32 max) gives 6, code 7.
+    """
+    a = ops.fmin_num(ops.abs(y), 6.0)
+    p = ops.and_(ops.bits(ops.fmax_num(a, 1.0)), 0x7F800000)
+    s = ops.fma(ops.float(p), 4194304.0, a)  # P * 2^22 is exact; one rounding of the sum
+    return ops.add(ops.sub(ops.bits(s), p), ops.shr(p, 22))
+
+
+def e2m1_word(ys, sign_bits, ops):
+    """Eight E2M1 codes (value e in bits 4e..4e+3, sign << 3 | magnitude) in one 32-bit word.
+
+    Magnitudes are added in place (shift-and-add, one instruction each), the bias is subtracted once for the word,
+    and each sign comes straight from bit 31 of its `sign_bits` into bit 4e + 3 (a shift and a masked OR).
+    """
+    w = None
+    for e, y in enumerate(ys):
+        m = e2m1_magnitude_biased(y, ops)
+        w = m if w is None else ops.add(w, ops.shl(m, 4 * e))
+    w = ops.sub(w, E2M1_WORD_BIAS)
+    for e, sb in enumerate(sign_bits):
+        shift = 28 - 4 * e
+        moved = ops.shr(sb, shift) if shift else sb
+        w = ops.or_(w, ops.and_(moved, 8 << (4 * e)))
+    return w
+

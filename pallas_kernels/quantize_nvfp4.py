@@ -123,7 +123,8 @@ def _nvfp4_body(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, *, rows_per_gro
 #  - g = max(amax, 1e-10) / 2688 is one div.rn per thread per tile (a scalar), not one per row.
 
 
-def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_rows: bool = False):
+def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_rows: bool = False,
+            value_form: str = "v2"):
     """GPU body of one tile: x [tr, 16] in C.row_layout, amax / group scalars; writes packed, bs and g.
 
     branch_free_rows (impl "v3"): the same bits with less latency per row. The per-row divisions amax / 6 and
@@ -137,6 +138,19 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
     float32 bits. A quotient past float32 max turns the corrections into inf - inf; any quotient with
     a * r > 1e30 is far above 448, so it is replaced by 448, which is all min(., 448) would keep. A given global
     amax of inf makes g = inf and RN(1/g) = 0: there the quotient is t6 * 0 (0, or NaN for a NaN block), as div.rn.
+
+    value_form "v4" (impl "v4", with branch_free_rows): fewer instructions per value, same bits.
+      - bfloat16 x: y = x / d with one Markstein correction (C._MARKSTEIN_ONCE_PTX: RN(x / d) for every bfloat16
+        x and float32 d, checked exhaustively in integers, experiments/checks/nvfp4_v4_formulas.py); float32 x
+        keeps the two-correction sequence (no exhaustive check is possible there). The check is scale-free, so
+        it holds where nothing under- or overflows: d = bs * g lies in [2^-9 * 1e-10 / 2688, 448 * f32max / 2688]
+        (about 7e-17 .. 6e37), so RN(1/d) is a normal float; a quotient that can reach code 1 (|y| >= 0.25) has
+        |x| >= 1.7e-17 and residuals near 2^-26 |x|, far above float32's normal minimum; smaller quotients code 0
+        either way; an overflowing quotient is NaN (inf - inf), which codes as 6 like the contract's +-inf.
+      - codes through C.e2m1_word: one magic add per value for every binade, magnitudes shift-added into the
+        word, the bias removed once per word, signs moved from x's bit 31 (about 9 instructions per value
+        instead of about 14). Where d could make the magnitudes' premises fail (d == 0 or NaN: masked rows) the
+        word is ANDed with 0, as in v2.
     """
     layout = C.row_layout(NVFP4_BLOCK, in_dtype)
 
@@ -187,16 +201,21 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
             dd = o.fselect(ok, d, 1.0)
             return vals, byte, ok, dd, o.div_rn(1.0, dd)
 
+        divide = o.markstein_once if (value_form == "v4" and in_dtype == jnp.bfloat16) else o.markstein
+
         def row_values(j, vals, byte, ok, dd, r):
             mask = o.select(ok, 0xFFFFFFFF, 0)
             words = []
             for half in range(2):
-                w = None
-                for e in range(8):
-                    x_e = vals[half * 8 + e]
-                    code = C.e2m1_code(o.bits(o.markstein(x_e, dd, r)), o, sign_bits=o.bits(x_e))
-                    code = code if e == 0 else o.shl(code, 4 * e)
-                    w = code if w is None else o.or_(w, code)
+                xs = vals[half * 8:(half + 1) * 8]
+                if value_form == "v4":
+                    w = C.e2m1_word([divide(x_e, dd, r) for x_e in xs], [o.bits(x_e) for x_e in xs], o)
+                else:
+                    w = None
+                    for e, x_e in enumerate(xs):
+                        code = C.e2m1_code(o.bits(divide(x_e, dd, r)), o, sign_bits=o.bits(x_e))
+                        code = code if e == 0 else o.shl(code, 4 * e)
+                        w = code if w is None else o.or_(w, code)
                 words.append(arith.andi(w, mask))
             # rows[j * n_vec] is this thread's row of register (j, ..., 0)
             row = rows[j * n_vec]
@@ -216,8 +235,10 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
     body(x, amax, group, packed_ref, bs_ref, g_ref)
 
 
-def _v2_interpret(x, g):
-    """Interpret-mode body: the same steps as `_v2_gpu` in jnp (x [tr, 16] float32, g scalar)."""
+def _v2_interpret(x, g, value_form: str = "v2"):
+    """Interpret-mode body: the same steps as `_v2_gpu` in jnp (x [tr, 16] float32, g scalar). The divisions are
+    XLA:CPU's IEEE ones (the GPU's Markstein forms are checked against them separately); value_form "v4" runs
+    C.e2m1_word, the formula the v4 GPU body runs."""
     o = C.JnpOps
     bamax = jnp.max(C.abs_for_amax(x, C.INTERPRET), axis=1)
     bamax = jnp.where(bamax <= C.F32_MAX, bamax, jnp.nan)
@@ -228,29 +249,33 @@ def _v2_interpret(x, g):
     ok = d > 0
     dd = jnp.where(ok, d, F32(1.0))
     y = x / lax.optimization_barrier(C.row_broadcast(dd, x.shape))
-    codes = C.e2m1_code(o.bits(y), o, sign_bits=o.bits(x))  # [tr, 16] uint32; the sign from x, as on the GPU
-    shifts = (jnp.arange(16, dtype=jnp.uint32) % 8) * 4
-    shifted = (codes << shifts).reshape(x.shape[0], 2, 8)
-    words = jnp.bitwise_or.reduce(shifted, axis=2)  # [tr, 2]
+    if value_form == "v4":
+        words = jnp.stack([C.e2m1_word([y[:, h * 8 + e] for e in range(8)], [o.bits(x[:, h * 8 + e]) for e in range(8)], o)
+                           for h in range(2)], axis=1)  # [tr, 2]
+    else:
+        codes = C.e2m1_code(o.bits(y), o, sign_bits=o.bits(x))  # [tr, 16] uint32; the sign from x, as on the GPU
+        shifts = (jnp.arange(16, dtype=jnp.uint32) % 8) * 4
+        shifted = (codes << shifts).reshape(x.shape[0], 2, 8)
+        words = jnp.bitwise_or.reduce(shifted, axis=2)  # [tr, 2]
     words = jnp.where(ok[:, None], words, jnp.uint32(0))
     packed = lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)  # little-endian: code 0 in the low nibble
     return packed, lax.bitcast_convert_type(bs, jnp.uint8)
 
 
 def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, *, rows_per_group, tr, mode, in_dtype,
-                   branch_free_rows=False):
+                   branch_free_rows=False, value_form="v2"):
     group = (t * tr) // rows_per_group  # tiles never straddle two global scales
     amax = jnp.maximum(amax_gmem[group], F32(AMAX_FLOOR))
     if mode == C.INTERPRET:
         g = amax / lax.optimization_barrier(F32(GLOBAL_DIVISOR))
         g_gmem[group] = g
-        packed, bs = _v2_interpret(x_ref[...].astype(F32), g)
+        packed, bs = _v2_interpret(x_ref[...].astype(F32), g, value_form)
         packed_ref[...] = packed
         bs_ref[...] = bs
         return
     x = plgpu.load(x_ref, (), layout=C.row_layout(NVFP4_BLOCK, in_dtype))
     _v2_gpu(x, amax, group.astype(jnp.int32), packed_ref, bs_ref, g_gmem, in_dtype=in_dtype,
-            branch_free_rows=branch_free_rows)
+            branch_free_rows=branch_free_rows, value_form=value_form)
 
 
 @functools.partial(jax.jit, static_argnames=("groups", "cfg", "interpret", "impl"))
@@ -273,13 +298,14 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     amax = jnp.pad(global_amax.astype(F32), (0, gpad))
     ntiles = pl.cdiv(rp, tr)
     half = NVFP4_BLOCK // 2
-    v2 = impl in ("v2", "v3")
+    v2 = impl in ("v2", "v3", "v4")
     mode = C.div_mode(interpret, cfg)
     if v2:
         if mode not in (C.INTERPRET, C.MARKSTEIN):
             raise ValueError(f"nvfp4 impl={impl!r} divides with the Markstein sequence only (division={cfg.division!r}); use impl='v1'")
         body = functools.partial(_nvfp4_body_v2, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode,
-                                 in_dtype=jnp.dtype(x.dtype), branch_free_rows=impl == "v3")
+                                 in_dtype=jnp.dtype(x.dtype), branch_free_rows=impl in ("v3", "v4"),
+                                 value_form="v4" if impl == "v4" else "v2")
     else:
         body = functools.partial(_nvfp4_body, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode)
     bs_dtype = jnp.uint8 if v2 else E4M3  # v2 writes the scale bytes as integers (bitcast after the kernel)
@@ -307,8 +333,9 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
 
 
 # v1: the first kernel (wgmma layout, threshold compares, byte stores); v3: v2 with branch-free per-row divisions
-# (interpret mode runs v2's jnp steps for both); all kept for A/B timing in the same run
-IMPLS = ("v3", "v2", "v1")
+# (interpret mode runs v2's jnp steps for both); v4: v3 with fewer instructions per value (not yet timed on the
+# H200, so not the default); all kept for A/B timing in the same run
+IMPLS = ("v3", "v4", "v2", "v1")
 
 
 @traced_once("four_over_six", "interpret", "config", "impl")
@@ -319,8 +346,9 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
     global_amax: None (the tensor's finite amax, one XLA reduction before the kernel), a scalar, or an
     array of shape x.shape[:1] (one per expert of a stack). Per-token scales are not supported here.
     impl: "v3" (default: v2 with branch-free per-row divisions, `_v2_gpu`; 1.12x v2 on bf16 input, equal on
-    float32, H200), "v2" (row per thread, codes from the float bits, 8-byte stores) or "v1" (the first kernel);
-    all return the contract's bits.
+    float32, H200), "v4" (v3 with one Markstein correction for bf16 input and the cheaper E2M1 word; not yet
+    timed on the GPU), "v2" (row per thread, codes from the float bits, 8-byte stores) or "v1" (the first
+    kernel); all return the contract's bits.
     """
     if impl not in IMPLS:
         raise ValueError(f"nvfp4: impl must be one of {IMPLS}, got {impl!r}")

@@ -212,7 +212,7 @@ def test_nvfp4_f32_saturating_many_tiles_interpret():
         assert_same(a, b, n)
 
 
-@pytest.mark.parametrize("impl", ["v2", "v1", "v3"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4"])
 def test_nvfp4_edge_cases_interpret(impl):
     x = edge_cases()
     packed, bs, g = Q.nvfp4(x, interpret=True, impl=impl)
@@ -291,7 +291,7 @@ def _nvfp4_boundary_input(rows=48):
     return jnp.asarray(x)
 
 
-@pytest.mark.parametrize("impl", ["v2", "v1"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v4"])
 def test_nvfp4_e2m1_boundaries_interpret(impl):
     """With global amax 6 * 448 the block scale of an amax-6 block is 448 and d = 448 * g = 1: x / d is x itself,
     so every tie and float32 neighbour of the E2M1 grid reaches the code step exactly."""
@@ -306,11 +306,11 @@ def test_nvfp4_e2m1_boundaries_interpret(impl):
 @pytest.mark.parametrize("shape,in_dtype,global_amax", [((1, 16), BF16, None), ((2, 3, 40), F32, "per_expert"),
                                                         ((5, 33), BF16, 0.5)])
 def test_nvfp4_v1_interpret(shape, in_dtype, global_amax):
-    """The kept v1 kernel still equals the contract (M = 1, 3-D with per-expert scales, a partial block)."""
+    """The kept v1 kernel, v2 and v4 still equal the contract (M = 1, 3-D with per-expert scales, a partial block)."""
     x = rand(shape, 2, in_dtype, spread=False) * 2
     if global_amax == "per_expert":
         global_amax = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1)
-    for impl in ("v1", "v2"):
+    for impl in ("v1", "v2", "v4"):
         got = Q.nvfp4(x, global_amax=global_amax, interpret=True, impl=impl)
         for a, b, n in zip(got, P.quantize_nvfp4(x, global_amax=global_amax), ("packed", "block scale", "global")):
             assert_same(a, b, f"{n} impl={impl}")
@@ -425,7 +425,7 @@ def test_gpu_mxfp8(shape, in_dtype, impl):
     "shape,in_dtype,per_expert",
     [((4096, 4096), BF16, False), ((8, 768, 2048), BF16, True), ((3, 40, 48), F32, True), ((1000, 1000), F32, False)],
 )
-@pytest.mark.parametrize("impl", ["v2", "v1", "v3"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4"])
 def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
     x = rand(shape, 8, in_dtype, spread=False)
     gam = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1) if per_expert else None
@@ -436,7 +436,8 @@ def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,division", [("v2", "markstein"), ("v1", "markstein"), ("v1", "div_rn"), ("v3", "markstein")])
+@pytest.mark.parametrize("impl,division", [("v2", "markstein"), ("v1", "markstein"), ("v1", "div_rn"), ("v3", "markstein"),
+                                           ("v4", "markstein")])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
     """The benchmark's float32 case at a quarter of its size: many tiles per CTA, saturated block scales (it
@@ -449,10 +450,10 @@ def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["v2", "v3"])
+@pytest.mark.parametrize("impl", ["v2", "v3", "v4"])
 @pytest.mark.parametrize("in_dtype", [F32, BF16])
 def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype, impl):
-    """The v2 / v3 kernels on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack;
+    """The v2 / v3 / v4 kernels on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack;
     v3 also on blocks whose (amax / 6) / g overflows float32 (its Markstein guard) while x / d does not."""
     x = _nvfp4_boundary_input(256).astype(in_dtype)
     for gam in (6.0 * 448.0, None, 3.0):
