@@ -152,11 +152,11 @@ def ieee_div(a, b, *, layout, mode: str):
 # within one ulp of x/s, so by Markstein's theorem the last step returns RN(x/s), the IEEE quotient. The
 # residual is written s*q - x (not x - s*q) so that x = -0.0 gives -0.0. Valid for s positive normal or
 # NaN and |x / s| < 2^126 (always true here: |x| <= amax and s >= amax / fmax).
-# One correction (NVFP4 v4, bfloat16 x): q0 = x * r; e = x - q0 * d; q1 = q0 + e * r. With r = RN(1/d) it is
-# RN(x / d) for every bfloat16 x and every float32 d while nothing overflows or underflows: checked exhaustively,
-# all 2^7 bfloat16 significands times all 2^23 float32 significands (the all-ones one included), in exact integer
-# arithmetic (experiments/checks/nvfp4_v4_formulas.py, results/nvfp4_v4_formulas_cpu.json). Float32 x has 2^23
-# significands, too many to check, so it keeps the two-correction _MARKSTEIN_PTX.
+# One correction (NVFP4 v4 / v5): q0 = x * r; e = x - q0 * d; q1 = q0 + e * r. With r = RN(1/d) it is RN(x / d) for
+# every float32 x and d while nothing overflows or underflows, shown in exact integer arithmetic by
+# experiments/checks/nvfp4_v4_formulas.py (results/nvfp4_v4_formulas_cpu.json): exhaustively for bfloat16 x (all
+# 2^7 x 2^23 significand pairs), and for float32 x over every pair whose quotient lies close enough to a rounding
+# midpoint for the correction's error (< 2^-22 ulp) to matter (87 million pairs; no other pair can differ).
 _MARKSTEIN_ONCE_PTX = """{
   .reg .f32 q, e, nx;
   mul.rn.f32 q, $1, $3;
@@ -177,6 +177,45 @@ _MARKSTEIN_PTX = """{
   neg.f32 e, e;
   fma.rn.f32 $0, e, $3, q;
 }"""
+
+
+# RN(1/d) without div.rn's slow-path branch (NVFP4 v5, per row): the hardware estimate, one Newton step (its error
+# squared: far inside 1 ulp), then one Markstein correction e = 1 - d r, r' = r + e r, which gives RN(1/d) from any
+# estimate within 1 ulp for every float32 significand but the all-ones one (checked exhaustively in integers for
+# both estimates within 1 ulp of each of the 2^23 significands: experiments/checks/nvfp4_v4_formulas.py). For
+# d = 2^k (2 - 2^-23), RN(1/d) = 2^-(k+1) (1 + 2^-23): bits ((253 << 23) - exponent bits of d) | 1. Valid for
+# positive normal d with a normal reciprocal (d < 2^126); NVFP4's per-row d lies in [7e-17, 6e37].
+_RCP_RN_PTX = """{
+  .reg .f32 r, e, nd, f;
+  .reg .b32 b, m, x;
+  .reg .pred p;
+  rcp.approx.f32 r, $1;
+  neg.f32 nd, $1;
+  fma.rn.f32 e, nd, r, 0f3F800000;
+  fma.rn.f32 r, e, r, r;
+  fma.rn.f32 e, nd, r, 0f3F800000;
+  fma.rn.f32 r, e, r, r;
+  mov.b32 b, $1;
+  and.b32 m, b, 0x007FFFFF;
+  setp.eq.u32 p, m, 0x007FFFFF;
+  and.b32 x, b, 0x7F800000;
+  sub.u32 x, 0x7E800000, x;
+  or.b32 x, x, 1;
+  mov.b32 f, x;
+  selp.f32 $0, f, r, p;
+}"""
+
+
+def _rcp_rn_scalar(d):
+    from jaxlib.mlir.dialects import llvm  # noqa: PLC0415
+
+    return llvm.inline_asm(ir_f32(), [d], _RCP_RN_PTX, "=f,f")
+
+
+def _div_rn_one_scalar(d):
+    from jaxlib.mlir.dialects import llvm  # noqa: PLC0415
+
+    return llvm.inline_asm(ir_f32(), [d], "div.rn.f32 $0, 0f3F800000, $1;", "=f,f")
 
 
 def _markstein_scalar(x, s, r):
@@ -407,6 +446,41 @@ def divide_rows(x, s, *, division: str = "markstein", interpret: bool = False):
         return y
 
 
+def _reciprocal_body(t, d_ref, fast_ref, rn_ref):
+    del t
+    d = load_tile(d_ref, MARKSTEIN)
+
+    @plgpu.inline_mgpu(arg_types=(TILE,), return_type=(plgpu.ShapeDtypeStruct(d.shape, F32, TILE),) * 2)
+    def both(ctx, d):
+        del ctx
+        lift = mgpu_fa.FragmentedArray._lift_fast_instr
+        return d._pointwise(lift(_rcp_rn_scalar)), d._pointwise(lift(_div_rn_one_scalar))
+
+    fast, rn = both(d)
+    fast_ref[...] = fast
+    rn_ref[...] = rn
+
+
+def reciprocals(d):
+    """(the branch-free RN(1/d) of _RCP_RN_PTX, div.rn.f32(1, d)) for d [R, 128] float32 on the GPU (a test hook)."""
+    r, cols = d.shape
+    if cols != 128 or r % 64:
+        raise ValueError(f"reciprocals wants d [R, 128] with R % 64 == 0; got {d.shape}")
+    rows = lambda g, t: g.at[pl.ds(t * 64, 64)]
+    tile = ((64, cols), F32, swizzle_transforms(cols, F32), rows)
+    call = persistent_kernel(
+        _reciprocal_body,
+        name="reciprocals",
+        out_shapes=[jax.ShapeDtypeStruct((r, cols), F32)] * 2,
+        in_tiles=[tile],
+        out_tiles=[tile, tile],
+        ntiles=r // 64,
+        cfg=TileConfig(),
+        interpret=False,
+    )
+    return jax.jit(call)(d.astype(F32))
+
+
 # ---------------------------------------------------------------------------------------------- row-per-thread
 # (additive: the "v2" NVFP4 / MXFP8 kernels; nothing above uses these.)
 #
@@ -528,6 +602,10 @@ class MlirOps:
     def markstein(self, x, s, r):
         """IEEE x / s given r = div.rn(1, s) (see _MARKSTEIN_PTX)."""
         return self.asm(self.f32, [x, s, r], _MARKSTEIN_PTX, "=f,f,f,f")
+
+    def rcp_rn(self, d):
+        """RN(1/d) without a branch (see _RCP_RN_PTX for the range)."""
+        return self.asm(self.f32, [d], _RCP_RN_PTX, "=f,f")
 
     def markstein_once(self, x, s, r):
         """x / s with one correction (see _MARKSTEIN_ONCE_PTX for when it is RN(x / s))."""

@@ -140,10 +140,11 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
     amax of inf makes g = inf and RN(1/g) = 0: there the quotient is t6 * 0 (0, or NaN for a NaN block), as div.rn.
 
     value_form "v4" (impl "v4", with branch_free_rows): fewer instructions per value, same bits.
-      - bfloat16 x: y = x / d with one Markstein correction (C._MARKSTEIN_ONCE_PTX: RN(x / d) for every bfloat16
-        x and float32 d, checked exhaustively in integers, experiments/checks/nvfp4_v4_formulas.py); float32 x
-        keeps the two-correction sequence (no exhaustive check is possible there). The check is scale-free, so
-        it holds where nothing under- or overflows: d = bs * g lies in [2^-9 * 1e-10 / 2688, 448 * f32max / 2688]
+      - every division (x / d per value, amax / 6 and (amax / 6) / g per row) with one Markstein correction
+        (C._MARKSTEIN_ONCE_PTX: RN(a / b) for every float32 a and b, shown in exact integer arithmetic:
+        exhaustively for bfloat16 a, and for float32 a over every pair that can lie near a rounding midpoint,
+        experiments/checks/nvfp4_v4_formulas.py). The checks are scale-free, so they hold where nothing under-
+        or overflows: d = bs * g lies in [2^-9 * 1e-10 / 2688, 448 * f32max / 2688]
         (about 7e-17 .. 6e37), so RN(1/d) is a normal float; a quotient that can reach code 1 (|y| >= 0.25) has
         |x| >= 1.7e-17 and residuals near 2^-26 |x|, far above float32's normal minimum; smaller quotients code 0
         either way; an overflowing quotient is NaN (inf - inf), which codes as 6 like the contract's +-inf.
@@ -151,6 +152,9 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
         word, the bias removed once per word, signs moved from x's bit 31 (about 9 instructions per value
         instead of about 14). Where d could make the magnitudes' premises fail (d == 0 or NaN: masked rows) the
         word is ANDed with 0, as in v2.
+    value_form "v5" (impl "v5"): v4 with RN(1/d) per row from C._RCP_RN_PTX (hardware estimate, a Newton step,
+      a Markstein correction, the all-ones significand by its closed form) instead of div.rn.f32, so no row's
+      chain has a branch: v3 removed two of the three per-row div.rn for that reason; this removes the third.
     """
     layout = C.row_layout(NVFP4_BLOCK, in_dtype)
 
@@ -175,6 +179,11 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
         n_rows, n_vec = regs.shape[0], regs.shape[-2]
         rows = [idx[0] for idx, _ in zip(x.layout.thread_idxs(x.shape), range(regs.size))]
 
+        v4 = value_form in ("v4", "v5")
+        # v4 / v5: one Markstein correction is RN(a / b) for every float32 a and b (C._MARKSTEIN_ONCE_PTX)
+        divide = o.markstein_once if v4 else o.markstein
+        row_divide = divide
+
         def row_chain(j):
             vals = []
             for k in range(n_vec):
@@ -188,9 +197,9 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
                 amx = o.fmax(amx, o.abs(v))
             amx = o.fselect(o.fle(amx, C.F32_MAX), amx, float("nan"))  # NaN if the block held NaN or inf
             if branch_free_rows:
-                t6 = o.markstein(amx, o.f(6.0), r_6)
+                t6 = row_divide(amx, o.f(6.0), r_6)
                 q0 = o.mul(t6, r_g)  # the sequence's first estimate, for the two cases it cannot finish
-                tg = o.markstein(t6, g, r_g)
+                tg = row_divide(t6, g, r_g)
                 tg = o.fselect(o.fgt(q0, 1.0e30), float(E4M3_MAX), tg)  # overflow: anything past 448 is 448
                 tg = o.fselect(g_is_inf, q0, tg)  # t6 / inf = 0 (NaN stays NaN); Markstein gives NaN
             else:
@@ -199,16 +208,14 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
             d = o.mul(o.e4m3_to_f32(byte), g)
             ok = o.fgt(d, 0.0)
             dd = o.fselect(ok, d, 1.0)
-            return vals, byte, ok, dd, o.div_rn(1.0, dd)
-
-        divide = o.markstein_once if (value_form == "v4" and in_dtype == jnp.bfloat16) else o.markstein
+            return vals, byte, ok, dd, (o.rcp_rn(dd) if value_form == "v5" else o.div_rn(1.0, dd))
 
         def row_values(j, vals, byte, ok, dd, r):
             mask = o.select(ok, 0xFFFFFFFF, 0)
             words = []
             for half in range(2):
                 xs = vals[half * 8:(half + 1) * 8]
-                if value_form == "v4":
+                if v4:
                     w = C.e2m1_word([divide(x_e, dd, r) for x_e in xs], [o.bits(x_e) for x_e in xs], o)
                 else:
                     w = None
@@ -249,7 +256,7 @@ def _v2_interpret(x, g, value_form: str = "v2"):
     ok = d > 0
     dd = jnp.where(ok, d, F32(1.0))
     y = x / lax.optimization_barrier(C.row_broadcast(dd, x.shape))
-    if value_form == "v4":
+    if value_form in ("v4", "v5"):
         words = jnp.stack([C.e2m1_word([y[:, h * 8 + e] for e in range(8)], [o.bits(x[:, h * 8 + e]) for e in range(8)], o)
                            for h in range(2)], axis=1)  # [tr, 2]
     else:
@@ -298,14 +305,14 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     amax = jnp.pad(global_amax.astype(F32), (0, gpad))
     ntiles = pl.cdiv(rp, tr)
     half = NVFP4_BLOCK // 2
-    v2 = impl in ("v2", "v3", "v4")
+    v2 = impl in ("v2", "v3", "v4", "v5")
     mode = C.div_mode(interpret, cfg)
     if v2:
         if mode not in (C.INTERPRET, C.MARKSTEIN):
             raise ValueError(f"nvfp4 impl={impl!r} divides with the Markstein sequence only (division={cfg.division!r}); use impl='v1'")
         body = functools.partial(_nvfp4_body_v2, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode,
-                                 in_dtype=jnp.dtype(x.dtype), branch_free_rows=impl in ("v3", "v4"),
-                                 value_form="v4" if impl == "v4" else "v2")
+                                 in_dtype=jnp.dtype(x.dtype), branch_free_rows=impl in ("v3", "v4", "v5"),
+                                 value_form=impl if impl in ("v4", "v5") else "v2")
     else:
         body = functools.partial(_nvfp4_body, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode)
     bs_dtype = jnp.uint8 if v2 else E4M3  # v2 writes the scale bytes as integers (bitcast after the kernel)
@@ -333,9 +340,9 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
 
 
 # v1: the first kernel (wgmma layout, threshold compares, byte stores); v3: v2 with branch-free per-row divisions
-# (interpret mode runs v2's jnp steps for both); v4: v3 with fewer instructions per value (not yet timed on the
-# H200, so not the default); all kept for A/B timing in the same run
-IMPLS = ("v3", "v4", "v2", "v1")
+# (interpret mode runs v2's jnp steps for both); v4: v3 with fewer instructions per value; v5: v4 with a
+# branch-free per-row reciprocal (v4 and v5 not yet run on the H200, so not the default); all kept for A/B timing
+IMPLS = ("v3", "v4", "v5", "v2", "v1")
 
 
 @traced_once("four_over_six", "interpret", "config", "impl")
@@ -346,8 +353,8 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
     global_amax: None (the tensor's finite amax, one XLA reduction before the kernel), a scalar, or an
     array of shape x.shape[:1] (one per expert of a stack). Per-token scales are not supported here.
     impl: "v3" (default: v2 with branch-free per-row divisions, `_v2_gpu`; 1.12x v2 on bf16 input, equal on
-    float32, H200), "v4" (v3 with one Markstein correction for bf16 input and the cheaper E2M1 word; not yet
-    timed on the GPU), "v2" (row per thread, codes from the float bits, 8-byte stores) or "v1" (the first
+    float32, H200), "v4" (v3 with one Markstein correction per division and the cheaper E2M1 word; not yet
+    timed on the GPU), "v5" (v4 with a branch-free per-row RN(1/d); not yet timed), "v2" (row per thread, codes from the float bits, 8-byte stores) or "v1" (the first
     kernel); all return the contract's bits.
     """
     if impl not in IMPLS:

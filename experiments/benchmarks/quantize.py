@@ -136,7 +136,7 @@ KERNELS = ("fp8_per_token_group", "mxfp8", "fp8_per_block", "nvfp4")
 
 
 def ab_cases(kernels):
-    """v1 vs v2 (vs v3 and v4 for NVFP4) of NVFP4 and MXFP8 on the >= 256 MiB inputs: (name, shape, dtype, kernel fn, XLA fn, [(cfg, impl)])."""
+    """v1 vs v2 (vs v3, v4 and v5 for NVFP4) of NVFP4 and MXFP8 on the >= 256 MiB inputs: (name, shape, dtype, kernel fn, XLA fn, [(cfg, impl)])."""
     T = Q.TileConfig
     bf16, f32 = jnp.bfloat16, jnp.float32
     g = 4.0
@@ -147,11 +147,12 @@ def ab_cases(kernels):
     out = [
         # v2 is compute-bound with 2 warps per scheduler at 2 CTAs/SM: more resident CTAs hide its latency chains
         # v3: v2 with branch-free per-row divisions (quantize_nvfp4._v2_gpu)
-        # v4: v3 with one Markstein correction for bf16 input and the cheaper E2M1 word (C.e2m1_word)
+        # v4: v3 with one Markstein correction per division and the cheaper E2M1 word (C.e2m1_word)
+        # v5: v4 with a branch-free per-row RN(1/d)
         ("nvfp4", (32768, 4096), bf16, *nv, both + [(T(), "v3"), (T(stages=4), "v3"), (T(), "v4"), (T(stages=4), "v4"),
-                                                    (T(ctas_per_sm=4), "v4"), (T(rows=256, ctas_per_sm=4), "v4"),
-                                                    (T(rows=1024), "v4")]),
-        ("nvfp4", (8192, 8192), f32, *nv, both + [(T(), "v3"), (T(), "v4"), (T(stages=4), "v4")]),
+                                                    (T(), "v5"), (T(stages=4), "v5"), (T(ctas_per_sm=4), "v5"),
+                                                    (T(rows=256, ctas_per_sm=4), "v5"), (T(rows=1024), "v5")]),
+        ("nvfp4", (8192, 8192), f32, *nv, both + [(T(), "v3"), (T(), "v4"), (T(), "v5"), (T(stages=4), "v5")]),
         ("mxfp8", (32768, 4096), bf16, *mx, both + [(T(stages=4), "v2"), (T(ctas_per_sm=4), "v2")]),
     ]
     return [c for c in out if c[0] in kernels]

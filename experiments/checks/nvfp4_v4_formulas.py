@@ -1,6 +1,6 @@
-"""Exhaustive CPU checks of the two shortcuts of the NVFP4 v4 kernel body (decision record 0006).
+"""Exhaustive CPU checks of the shortcuts of the NVFP4 v4 / v5 kernel bodies (decision record 0006).
 
-    PYTHONPATH=src:. python experiments/checks/nvfp4_v4_formulas.py [--part e2m1|markstein|all] [--out JSON]
+    PYTHONPATH=src:. python experiments/checks/nvfp4_v4_formulas.py [--part NAME|all] [--quick] [--out JSON]
 
 1. e2m1: `quantize_common.e2m1_magnitude_biased` (one magic add for every binade) minus its bias equals the
    contract's threshold count (`jaxrl_fp8.precision.nvfp4.e2m1_codes` of clip(y, -6, 6)) for all 2^32 float32
@@ -13,6 +13,13 @@
    tie). Scale invariance covers every exponent pair while nothing overflows or underflows; the kernel's
    operands stay in that range wherever the code depends on the quotient (docstring of
    `quantize_nvfp4._v2_gpu`).
+3. markstein_f32: the same for float32 x, whose 2^46 significand pairs cannot be enumerated: a failure needs a
+   rounding midpoint within 2^-22 ulp of x / d, which bounds |X 2^s - M D| (comment above `hard_pairs`); all
+   such pairs of every float32 significand of d are enumerated and run through the exact chain.
+4. reciprocal: one Markstein correction of a reciprocal estimate, e = RN(1 - d r), r' = RN(r + e r), gives
+   RN(1/d) from every estimate r within 1 ulp of 1/d, for all 2^23 float32 significands of d except the
+   all-ones one (NVFP4 v5's per-row reciprocal, `quantize_common._RCP_RN_PTX`, which gives that one its closed
+   form and reaches 1 ulp with a Newton step from the hardware estimate; the GPU test compares it with div.rn).
 `--quick` checks a subset (what tests/pallas_kernels/test_nvfp4_v4_formulas.py runs in CI).
 """
 
@@ -61,7 +68,7 @@ def markstein_once_fails(x_sig: int, d_sigs: np.ndarray) -> np.ndarray:
 def markstein_once_exact(x_sig: int, d_sigs: np.ndarray):
     """(q0, q1, RN(x / d)) as (significand, exponent) int64 pairs, value = significand 2^exponent, computed with
     integers only."""
-    X = np.int64(x_sig)
+    X = np.asarray(x_sig, dtype=np.int64)
     D = d_sigs.astype(np.int64)
     # r = RN(1/d) = R 2^-24 (R = 2^24 for d = 1)
     R = np.where(D == ONE, np.int64(ONE << 1), _rne_div(np.int64(1) << 47, D))
@@ -107,6 +114,91 @@ def markstein_once_exact(x_sig: int, d_sigs: np.ndarray):
     return (Q, eq), (Q1, e1), (Y, ey)
 
 
+# Float32 x: the 2^46 significand pairs cannot be enumerated, but one correction can only fail next to a rounding
+# boundary. With e = x - q0 d, the corrected value is v = q0 + RN(e) r and v - x/d = e (r - 1/d) + (RN(e) - e) r.
+# |x/d - q0| <= 2 ulp(q) (ulp(q): float32 spacing at x/d), |r - 1/d| <= 2^-24 / d and |RN(e) - e| <= 2^-24 |e|,
+# so |v - x/d| <= 2^-22 ulp(q) (with margin). RN(v) != RN(x/d) needs a midpoint m between them. Writing
+# x = X 2^a, d = D 2^b (X, D 24-bit integers) and m = M 2^(a-b-s) (M odd, in [2^24, 2^25); s = 24 when x/d has
+# the significand of X/D >= 1, else 25): x/d - m = (X 2^s - M D) / D * ulp(q) / 2 with N = X 2^s - M D a nonzero
+# integer, so a failure needs |N| <= 2^-21 D < 8. Those (X, D) are enumerated below (M from t = N mod 2^s and the
+# inverse of D's odd part) and run through the exact chain; `HARD_N` = 15 leaves a factor of two.
+HARD_N = 15
+
+
+def _odd_inverse(a, bits):
+    """Inverse of odd uint64 a modulo 2^bits (Newton: each step doubles the correct low bits)."""
+    a = a.astype(np.uint64)
+    inv = a.copy()  # correct to 3 bits for odd a
+    for _ in range(6):
+        inv = inv * (np.uint64(2) - a * inv)
+    return inv & np.uint64((1 << bits) - 1)
+
+
+def hard_pairs(d_sigs: np.ndarray, n_max: int = HARD_N):
+    """All (X, D) with 24-bit X and |X 2^s - M D| <= n_max for an odd M in [2^24, 2^25), s in {24, 25}:
+    the only float32 x significands for which one Markstein correction could differ from RN(x / d)."""
+    D = d_sigs.astype(np.int64)
+    j = np.zeros_like(D)
+    while True:  # 2-adic valuation of D (at most 23)
+        even = ((D >> j) & 1) == 0
+        if not even.any():
+            break
+        j = j + even
+    d_odd = D >> j
+    xs, ds = [], []
+    for s_ in (24, 25):
+        for t in range(-n_max, n_max + 1):
+            if t == 0:
+                continue
+            ok = (np.abs(t) % (np.int64(1) << j)) == 0  # 2^j must divide t for M D + t = X 2^s
+            if not ok.any():
+                continue
+            Dk, jk, dok = D[ok], j[ok], d_odd[ok]
+            bits = s_ - jk
+            mod = np.int64(1) << bits
+            tj = np.int64(t) >> jk if t > 0 else -((-np.int64(t)) >> jk)
+            # M * d_odd = -tj (mod 2^bits)  =>  M = -tj * inv(d_odd)
+            inv = np.zeros_like(dok, dtype=np.uint64)
+            for b in np.unique(bits):
+                sel = bits == b
+                inv[sel] = _odd_inverse(dok[sel], int(b))
+            m0 = ((-tj) % mod).astype(np.uint64) * inv % mod.astype(np.uint64)
+            m0 = m0.astype(np.int64)
+            base = (np.int64(1) << 24)
+            first = base + (m0 - base) % mod  # smallest M >= 2^24 in the class
+            for k in range(1 << max(0, 24 - s_ + int(jk.max()))):  # members of the class in [2^24, 2^25)
+                M = first + k * mod
+                inside = (M < (np.int64(1) << 25)) & ((M & 1) == 1)
+                if not inside.any():
+                    continue
+                num = M[inside] * Dk[inside] + t
+                X = num >> s_
+                good = ((num & ((np.int64(1) << s_) - 1)) == 0) & (X >= ONE) & (X < (ONE << 1))
+                xs.append(X[good])
+                ds.append(Dk[inside][good])
+    if not xs:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(xs), np.concatenate(ds)
+
+
+def check_markstein_f32(quick: bool) -> dict:
+    """One correction for float32 x: every hard pair (above) of every float32 significand of d."""
+    d_all = np.arange(ONE, ONE << 1, dtype=np.int64)
+    if quick:
+        d_all = np.unique(np.concatenate([d_all[::4099], d_all[:256], d_all[-256:]]))
+    pairs = fails = 0
+    bad_examples = []
+    for chunk in np.array_split(d_all, max(1, d_all.size // (1 << 18))):
+        X, D = hard_pairs(chunk)
+        (_, _), (q1, e1), (y, ey) = markstein_once_exact(X, D)
+        bad = (q1 != y) | (e1 != ey)
+        pairs += int(X.size)
+        fails += int(bad.sum())
+        bad_examples += [(hex(int(a)), hex(int(b))) for a, b in zip(X[bad][:4], D[bad][:4])]
+    return {"d_significands": int(d_all.size), "hard_pairs": pairs, "n_max": HARD_N, "failing_pairs": fails,
+            "examples": bad_examples[:8]}
+
+
 def check_markstein(quick: bool) -> dict:
     d_all = np.arange(ONE, ONE << 1, dtype=np.int64)
     if quick:  # every 97th significand plus the 4096 at each end of the binade
@@ -122,6 +214,55 @@ def check_markstein(quick: bool) -> dict:
         failing_d.update(int(v) for v in d_all[bad])
     return {"pairs": len(x_sigs) * int(d_all.size), "x_significands": len(x_sigs), "d_significands": int(d_all.size),
             "failing_pairs": fails, "failing_d_significands": sorted(hex(v) for v in failing_d)}
+
+
+def _rne_units(W, f, frac_bits):
+    """Round-half-even of W + f / 2^frac_bits (W, f int64 arrays, 0 <= f < 2^frac_bits) to an integer."""
+    half = np.int64(1) << (frac_bits - 1)
+    return W + ((f > half) | ((f == half) & (W & 1 == 1)))
+
+
+def reciprocal_step_exact(d_sigs: np.ndarray, r_units: np.ndarray):
+    """One Markstein correction of a reciprocal estimate, in integers: d = D 2^-23 (D in [2^23, 2^24)), the
+    estimate r = F 2^-24 (F near 2^47 / D); e = RN(1 - d r) (fma), r' = RN(r + e r) (fma). Returns (r' in units
+    of 2^-24, RN(1/d) in units of 2^-24); values at or above 1 are multiples of 2 units (float32's spacing there)."""
+    D, F = d_sigs.astype(np.int64), r_units.astype(np.int64)
+    E = _round_to_24_bits((np.int64(1) << 47) - D * F)  # 1 - d r in units of 2^-47
+    T = E * F  # e r in units of 2^-71 = 2^-24 * 2^-47
+    k = T >> 47
+    W = F + k
+    f = T - (k << 47)
+    R = _rne_units(W, f, 47)
+    hi = R >= (np.int64(1) << 24)  # at or past 1.0: round again to even units of 2 (exact from W, f)
+    if np.any(hi):
+        Wh, fh = W[hi], f[hi]
+        rem = (Wh & 1) * (np.int64(1) << 47) + fh
+        R[hi] = 2 * _rne_units(Wh >> 1, rem, 48)
+    Y = _rne_div(np.int64(1) << 47, D)  # 1/d in (0.5, 1]: units of 2^-24, the spacing there
+    return R, Y
+
+
+def check_reciprocal(quick: bool) -> dict:
+    """For every float32 significand of d, every estimate r within 1 ulp of 1/d (inclusive: the 2 or 3
+    floats there), does one Markstein correction give RN(1/d)?"""
+    D = np.arange(ONE, ONE << 1, dtype=np.int64)
+    if quick:
+        D = np.unique(np.concatenate([D[::61], D[:2048], D[-2048:]]))
+    q = (np.int64(1) << 47) // D  # floor of 2^47 / D, in units of 2^-24
+    exact = q * D == (np.int64(1) << 47)
+    fails, checked, fail_d = 0, 0, set()
+    for off in (-1, 0, 1, 2):
+        F = q + off
+        # |F - 2^47 / D| <= 1 unit, i.e. |F D - 2^47| <= D; 1.0 and above are spaced by 2 units: skip odd F there
+        ok = (np.abs(F * D - (np.int64(1) << 47)) <= D) & ((F < (ONE << 1)) | (F % 2 == 0)) & (F >= ONE)
+        R, Y = reciprocal_step_exact(D[ok], F[ok])
+        bad = R != Y
+        fails += int(bad.sum())
+        checked += int(ok.sum())
+        fail_d.update(hex(int(v)) for v in D[ok][bad])
+    return {"d_significands": int(D.size), "estimates_checked": checked, "failing": fails,
+            "failing_d_significands": sorted(fail_d)[:16], "n_failing_d": len(fail_d),
+            "exact_powers_of_two": int(exact.sum())}
 
 
 def check_e2m1(quick: bool, chunk_bits: int = 24) -> dict:
@@ -154,7 +295,8 @@ def check_e2m1(quick: bool, chunk_bits: int = 24) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["e2m1", "markstein", "all"], default="all", help="which check to run")
+    ap.add_argument("--part", choices=["e2m1", "markstein", "markstein_f32", "reciprocal", "all"], default="all",
+                    help="which check to run")
     ap.add_argument("--quick", action="store_true", help="a subset (seconds), as in CI")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -167,6 +309,14 @@ def main(argv=None) -> int:
         t = time.time()
         res["markstein_once_bf16"] = check_markstein(args.quick) | {"seconds": round(time.time() - t, 1)}
         print("markstein (one correction, bfloat16 x):", res["markstein_once_bf16"], flush=True)
+    if args.part in ("markstein_f32", "all"):
+        t = time.time()
+        res["markstein_once_f32"] = check_markstein_f32(args.quick) | {"seconds": round(time.time() - t, 1)}
+        print("markstein (one correction, float32 x, hard pairs):", res["markstein_once_f32"], flush=True)
+    if args.part in ("reciprocal", "all"):
+        t = time.time()
+        res["reciprocal_step"] = check_reciprocal(args.quick) | {"seconds": round(time.time() - t, 1)}
+        print("reciprocal (one correction of an estimate within 1 ulp):", res["reciprocal_step"], flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_suffix(".tmp")
@@ -175,6 +325,10 @@ def main(argv=None) -> int:
     ok = res.get("e2m1", {}).get("mismatches", 0) == 0
     ms = res.get("markstein_once_bf16")
     ok &= ms is None or ms["failing_pairs"] == 0
+    mf = res.get("markstein_once_f32")
+    ok &= mf is None or mf["failing_pairs"] == 0
+    rc = res.get("reciprocal_step")
+    ok &= rc is None or set(rc["failing_d_significands"]) <= {hex((ONE << 1) - 1)}
     return 0 if ok else 1
 
 

@@ -1,5 +1,5 @@
-"""The NVFP4 v4 shortcuts (pallas_kernels.quantize_common): the E2M1 word formula and one Markstein correction,
-against the contract and against exact rational arithmetic. The full exhaustive runs are
+"""The NVFP4 v4 / v5 shortcuts (pallas_kernels.quantize_common): the E2M1 word formula, one Markstein correction
+of the quotient and of a reciprocal estimate, against the contract and against exact rational arithmetic. The full exhaustive runs are
 experiments/checks/nvfp4_v4_formulas.py (results/nvfp4_v4_formulas_cpu.json); here their quick subsets run."""
 
 import importlib.util
@@ -40,6 +40,8 @@ def test_quick_exhaustive_subsets_pass():
     assert e2m1["mismatches"] == 0 and e2m1["values"] >= 3 * (1 << 24) and e2m1["nan_values"] > 0
     mk = checks.check_markstein(quick=True)
     assert mk["failing_pairs"] == 0 and mk["pairs"] > 1_000_000
+    rc = checks.check_reciprocal(quick=True)  # the all-ones significand fails: the v5 kernel special-cases it
+    assert rc["failing_d_significands"] == ["0xffffff"] and rc["estimates_checked"] > 200_000
 
 
 def test_integer_markstein_check_equals_rational_arithmetic():
@@ -85,3 +87,22 @@ def test_e2m1_word_packs_the_contracts_codes_with_signs_from_x():
     neg = o.bits(jnp.full((1,), -3e38, jnp.float32))
     got = np.asarray(C.e2m1_word([nan] * 8, [neg] * 8, o))
     assert got[0] == 0xFFFFFFFF
+
+
+def test_hard_pairs_are_every_pair_near_a_midpoint():
+    """The float32 proof enumerates (X, D) with |X 2^s - M D| <= HARD_N; brute force over all 2^23 X for a few D
+    (odd, all-ones, and with 2-adic valuations 3 and 7) finds the same set, and the quick subset passes."""
+    one = 1 << 23
+    x = np.arange(one, 2 * one, dtype=np.int64)
+    for d in (one + 1, 2 * one - 1, 0x8AF688, 0xC5A080):
+        want = set()
+        for s in (24, 25):
+            num = x << s
+            m_floor = num // d
+            for m in (m_floor - 1, m_floor, m_floor + 1, m_floor + 2):
+                near = (np.abs(num - m * d) <= checks.HARD_N) & (m % 2 == 1) & (m >= 1 << 24) & (m < 1 << 25)
+                want |= set(x[near].tolist())
+        got, _ = checks.hard_pairs(np.array([d]))
+        assert set(got.tolist()) == want, hex(d)
+    res = checks.check_markstein_f32(quick=True)
+    assert res["failing_pairs"] == 0 and res["hard_pairs"] > 10_000

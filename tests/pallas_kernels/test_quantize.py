@@ -212,7 +212,7 @@ def test_nvfp4_f32_saturating_many_tiles_interpret():
         assert_same(a, b, n)
 
 
-@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5"])
 def test_nvfp4_edge_cases_interpret(impl):
     x = edge_cases()
     packed, bs, g = Q.nvfp4(x, interpret=True, impl=impl)
@@ -291,7 +291,7 @@ def _nvfp4_boundary_input(rows=48):
     return jnp.asarray(x)
 
 
-@pytest.mark.parametrize("impl", ["v2", "v1", "v4"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v4", "v5"])
 def test_nvfp4_e2m1_boundaries_interpret(impl):
     """With global amax 6 * 448 the block scale of an amax-6 block is 448 and d = 448 * g = 1: x / d is x itself,
     so every tie and float32 neighbour of the E2M1 grid reaches the code step exactly."""
@@ -335,6 +335,19 @@ def _cpu_reference(fn, *args, **kwargs):
     kwargs = {k: move(v) for k, v in kwargs.items()}
     with jax.default_device(cpu):
         return jax.tree.map(np.asarray, fn(*args, **kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_branch_free_reciprocal_equals_div_rn_on_every_significand():
+    """C._RCP_RN_PTX (NVFP4 v5's per-row RN(1/d): estimate, Newton step, Markstein correction, all-ones closed
+    form) == div.rn.f32(1, d) for all 2^23 float32 significands at exponents across NVFP4's range of d."""
+    from pallas_kernels.quantize_common import reciprocals
+
+    sig = np.arange(1 << 23, dtype=np.uint32)
+    for e in (-54, -30, -1, 0, 1, 40, 125):
+        d = (sig | np.uint32((127 + e) << 23)).view(np.float32).reshape(-1, 128)
+        fast, rn = reciprocals(jnp.asarray(d))
+        assert_same(fast, rn, f"branch-free vs div.rn at 2^{e}")
 
 
 @pytest.mark.gpu
@@ -425,7 +438,7 @@ def test_gpu_mxfp8(shape, in_dtype, impl):
     "shape,in_dtype,per_expert",
     [((4096, 4096), BF16, False), ((8, 768, 2048), BF16, True), ((3, 40, 48), F32, True), ((1000, 1000), F32, False)],
 )
-@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5"])
 def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
     x = rand(shape, 8, in_dtype, spread=False)
     gam = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1) if per_expert else None
@@ -437,7 +450,7 @@ def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,division", [("v2", "markstein"), ("v1", "markstein"), ("v1", "div_rn"), ("v3", "markstein"),
-                                           ("v4", "markstein")])
+                                           ("v4", "markstein"), ("v5", "markstein")])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
     """The benchmark's float32 case at a quarter of its size: many tiles per CTA, saturated block scales (it
@@ -450,10 +463,10 @@ def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["v2", "v3", "v4"])
+@pytest.mark.parametrize("impl", ["v2", "v3", "v4", "v5"])
 @pytest.mark.parametrize("in_dtype", [F32, BF16])
 def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype, impl):
-    """The v2 / v3 / v4 kernels on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack;
+    """The v2 .. v5 kernels on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack;
     v3 also on blocks whose (amax / 6) / g overflows float32 (its Markstein guard) while x / d does not."""
     x = _nvfp4_boundary_input(256).astype(in_dtype)
     for gam in (6.0 * 448.0, None, 3.0):
