@@ -4,6 +4,8 @@
 #   bash experiments/h200_runs.sh gemm       # experiments/benchmarks/gemm.py: dense, MoE (fwd + wgrad), linear fwd+bwd
 #   bash experiments/h200_runs.sh breakdown  # FP8 linear fwd+bwd component times (incl. the GEMM tile variants)
 #   bash experiments/h200_runs.sh quantize   # quantize bandwidth: NVFP4 / MXFP8 v1 vs v2 configs, copy anchor
+#   bash experiments/h200_runs.sh nvfp4      # NVFP4 v4 / v5: their GPU bit tests first, then v3 / v4 / v5 timed in one
+#                                            # run (quantize.py A/B, copy anchor) and their SASS counts
 #   bash experiments/h200_runs.sh decode     # embedded engine decode, BF16 vs FP8, batch 1 / 32 / 256, roofline
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
 #   bash experiments/h200_runs.sh curves     # recipe curves (short RL runs, identical seeds)
@@ -86,6 +88,13 @@ case "${1:-}" in
   tests) $PY -m pytest -v -m gpu tests -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
   gemm) $PY experiments/benchmarks/gemm.py --out "$OUT/gemm_h200.json" 2>&1 | quiet | tee "$OUT/gemm.log" ;;
   breakdown) $PY experiments/benchmarks/linear_breakdown.py --out "$OUT/linear_breakdown_h200.json" 2>&1 | quiet | tee "$OUT/breakdown.log" ;;
+  nvfp4)
+    $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider \
+        -k "reciprocal or markstein or nvfp4" 2>&1 | tee "$OUT/nvfp4_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
+    $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" 2>&1 \
+        | quiet | tee "$OUT/quantize_nvfp4.log"
+    $PY experiments/benchmarks/sass.py --variants nvfp4_v3,nvfp4_v4,nvfp4_v4_f32,nvfp4_v5 --out "$OUT/sass_nvfp4_h200.json" 2>&1 \
+        | quiet | tail -20 ;;
   quantize) $PY experiments/benchmarks/quantize.py --kernels nvfp4,mxfp8 --no-anchor-torch --out "$OUT/quantize_h200.json" 2>&1 | quiet | tee "$OUT/quantize.log" ;;
   decode) $PY experiments/benchmarks/decode.py --batches 1,32,256 --gen-len 64 --repeats 2 --out "$OUT/decode_h200.json" 2>&1 | quiet | tee "$OUT/decode.log" ;;
   mismatch) $PY experiments/mismatch_study.py --sizes "${2:?size name, e.g. moe-60M}" --num-prompts 128 --max-new-tokens 64 \

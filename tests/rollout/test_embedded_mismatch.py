@@ -141,7 +141,7 @@ def test_split3_router_and_head_keep_rollout_equal_trainer_bitwise(monkeypatch):
     cfg = tiny_config(num_hidden_layers=2, mlp_only_layers=(1,), hidden_size=128, vocab_size=384)
     policy = random_policy(cfg, seed=4, dtype="float32", recipe=get_recipe("fp8_block"))
     engine = EmbeddedEngine(policy, max_batch=2, max_seq_len=20, static_shapes=True)
-    params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=21), SamplingParams(temperature=0.8, max_new_tokens=4, seed=22)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=21), SamplingParams(temperature=0.8, max_new_tokens=2, seed=22)]
     samples = engine.generate([[5, 17, 33], [100, 101, 102, 103, 104]], params)
     rollout_traces = len(traced)
     assert rollout_traces > 0
