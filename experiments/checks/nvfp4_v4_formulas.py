@@ -300,7 +300,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a subset (seconds), as in CI")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    res = {"quick": args.quick, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    import platform
+
+    import jax
+
+    res = {"quick": args.quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
+           "cpus": __import__("os").cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+           "jax": jax.__version__}
     if args.part in ("e2m1", "all"):
         t = time.time()
         res["e2m1"] = check_e2m1(args.quick) | {"seconds": round(time.time() - t, 1)}
