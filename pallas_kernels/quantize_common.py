@@ -157,26 +157,15 @@ def ieee_div(a, b, *, layout, mode: str):
 # experiments/checks/nvfp4_v4_formulas.py (results/nvfp4_v4_formulas_cpu.json): exhaustively for bfloat16 x (all
 # 2^7 x 2^23 significand pairs), and for float32 x over every pair whose quotient lies close enough to a rounding
 # midpoint for the correction's error (< 2^-22 ulp) to matter (87 million pairs; no other pair can differ).
-_MARKSTEIN_ONCE_PTX = """{
-  .reg .f32 q, e, nx;
-  mul.rn.f32 q, $1, $3;
-  neg.f32 nx, $1;
-  fma.rn.f32 e, $2, q, nx;
-  neg.f32 e, e;
-  fma.rn.f32 $0, e, $3, q;
-}"""
+def _markstein_ptx(corrections: int) -> str:
+    """The quotient sequence above with `corrections` residual steps ($0 = $1 / $2 given $3 = RN(1/$2))."""
+    step = "  fma.rn.f32 e, $2, q, nx;\n  neg.f32 e, e;\n  fma.rn.f32 {out}, e, $3, q;\n"
+    body = "".join(step.format(out="$0" if i == corrections - 1 else "q") for i in range(corrections))
+    return "{\n  .reg .f32 q, e, nx;\n  mul.rn.f32 q, $1, $3;\n  neg.f32 nx, $1;\n" + body + "}"
 
-_MARKSTEIN_PTX = """{
-  .reg .f32 q, e, nx;
-  mul.rn.f32 q, $1, $3;
-  neg.f32 nx, $1;
-  fma.rn.f32 e, $2, q, nx;
-  neg.f32 e, e;
-  fma.rn.f32 q, e, $3, q;
-  fma.rn.f32 e, $2, q, nx;
-  neg.f32 e, e;
-  fma.rn.f32 $0, e, $3, q;
-}"""
+
+_MARKSTEIN_ONCE_PTX = _markstein_ptx(1)
+_MARKSTEIN_PTX = _markstein_ptx(2)
 
 
 # RN(1/d) without div.rn's slow-path branch (NVFP4 v5, per row): the hardware estimate, one Newton step (its error
@@ -204,18 +193,6 @@ _RCP_RN_PTX = """{
   mov.b32 f, x;
   selp.f32 $0, f, r, p;
 }"""
-
-
-def _rcp_rn_scalar(d):
-    from jaxlib.mlir.dialects import llvm  # noqa: PLC0415
-
-    return llvm.inline_asm(ir_f32(), [d], _RCP_RN_PTX, "=f,f")
-
-
-def _div_rn_one_scalar(d):
-    from jaxlib.mlir.dialects import llvm  # noqa: PLC0415
-
-    return llvm.inline_asm(ir_f32(), [d], "div.rn.f32 $0, 0f3F800000, $1;", "=f,f")
 
 
 def _markstein_scalar(x, s, r):
@@ -453,8 +430,8 @@ def _reciprocal_body(t, d_ref, fast_ref, rn_ref):
     @plgpu.inline_mgpu(arg_types=(TILE,), return_type=(plgpu.ShapeDtypeStruct(d.shape, F32, TILE),) * 2)
     def both(ctx, d):
         del ctx
-        lift = mgpu_fa.FragmentedArray._lift_fast_instr
-        return d._pointwise(lift(_rcp_rn_scalar)), d._pointwise(lift(_div_rn_one_scalar))
+        o, lift = MlirOps(), mgpu_fa.FragmentedArray._lift_fast_instr
+        return d._pointwise(lift(o.rcp_rn)), d._pointwise(lift(lambda v: o.div_rn(1.0, v)))
 
     fast, rn = both(d)
     fast_ref[...] = fast

@@ -182,7 +182,6 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
         v4 = value_form in ("v4", "v5")
         # v4 / v5: one Markstein correction is RN(a / b) for every float32 a and b (C._MARKSTEIN_ONCE_PTX)
         divide = o.markstein_once if v4 else o.markstein
-        row_divide = divide
 
         def row_chain(j):
             vals = []
@@ -197,9 +196,9 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
                 amx = o.fmax(amx, o.abs(v))
             amx = o.fselect(o.fle(amx, C.F32_MAX), amx, float("nan"))  # NaN if the block held NaN or inf
             if branch_free_rows:
-                t6 = row_divide(amx, o.f(6.0), r_6)
+                t6 = divide(amx, o.f(6.0), r_6)
                 q0 = o.mul(t6, r_g)  # the sequence's first estimate, for the two cases it cannot finish
-                tg = row_divide(t6, g, r_g)
+                tg = divide(t6, g, r_g)
                 tg = o.fselect(o.fgt(q0, 1.0e30), float(E4M3_MAX), tg)  # overflow: anything past 448 is 448
                 tg = o.fselect(g_is_inf, q0, tg)  # t6 / inf = 0 (NaN stays NaN); Markstein gives NaN
             else:
@@ -244,8 +243,8 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
 
 def _v2_interpret(x, g, value_form: str = "v2"):
     """Interpret-mode body: the same steps as `_v2_gpu` in jnp (x [tr, 16] float32, g scalar). The divisions are
-    XLA:CPU's IEEE ones (the GPU's Markstein forms are checked against them separately); value_form "v4" runs
-    C.e2m1_word, the formula the v4 GPU body runs."""
+    XLA:CPU's IEEE ones (the GPU's Markstein forms are checked against them separately); value_form "v4" / "v5"
+    runs C.e2m1_word, the formula their GPU bodies run."""
     o = C.JnpOps
     bamax = jnp.max(C.abs_for_amax(x, C.INTERPRET), axis=1)
     bamax = jnp.where(bamax <= C.F32_MAX, bamax, jnp.nan)

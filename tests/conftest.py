@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-import jax
-
 import jaxrl_fp8  # noqa: F401  (first: sets the XLA flags of the precision contract before JAX starts)
+
+import jax  # noqa: E402  (after jaxrl_fp8, see above)
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 

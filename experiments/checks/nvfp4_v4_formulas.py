@@ -26,7 +26,8 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,17 @@ def _rne_div(num, den):
     q, rem = np.divmod(num, den)
     twice = 2 * rem
     return q + ((twice > den) | ((twice == den) & (q & 1 == 1)))
+
+
+def _rne_units(W, f, frac_bits):
+    """Round-half-even of W + f / 2^frac_bits (W, f int64 arrays, 0 <= f < 2^frac_bits) to an integer."""
+    half = np.int64(1) << (frac_bits - 1)
+    return W + ((f > half) | ((f == half) & (W & 1 == 1)))
+
+
+def _round_half_units(W, f):
+    """Round-half-even of (W + f / 2^47) / 2: a sum past the binade's top rounded at twice the spacing."""
+    return _rne_units(W >> 1, (W & 1) * (np.int64(1) << 47) + f, 48)
 
 
 def _normalize(m, e):
@@ -84,26 +96,17 @@ def markstein_once_exact(x_sig: int, d_sigs: np.ndarray):
     T = E * R
     k = T >> 47
     f = T - (k << 47)
-    half = np.int64(1) << 46
     W = Q + k
-    Q1 = W + ((f > half) | ((f == half) & (W & 1 == 1)))
+    Q1 = _rne_units(W, f, 47)
     e1 = eq.copy()
     lo = W < ONE  # result below 2^23 units: round in half units
     if np.any(lo):
-        T2, Q2 = T[lo], Q[lo]
-        k2 = T2 >> 46
-        f2 = T2 - (k2 << 46)
-        h2 = np.int64(1) << 45
-        W2 = 2 * Q2 + k2
-        Q1[lo] = W2 + ((f2 > h2) | ((f2 == h2) & (W2 & 1 == 1)))
+        k2 = T[lo] >> 46
+        Q1[lo] = _rne_units(2 * Q[lo] + k2, T[lo] - (k2 << 46), 46)
         e1[lo] = eq[lo] - 1
     hi = W >= (ONE << 1)  # at or past 2^24 units: round in double units
     if np.any(hi):
-        Wh, fh = W[hi], f[hi]
-        hh = Wh >> 1
-        rem = (Wh & 1) * (np.int64(1) << 47) + fh
-        unit = np.int64(1) << 47
-        Q1[hi] = hh + ((rem > unit) | ((rem == unit) & (hh & 1 == 1)))
+        Q1[hi] = _round_half_units(W[hi], f[hi])
         e1[hi] = eq[hi] + 1
     Q1, e1 = _normalize(Q1, e1)
     # y = RN(x / d)
@@ -216,12 +219,6 @@ def check_markstein(quick: bool) -> dict:
             "failing_pairs": fails, "failing_d_significands": sorted(hex(v) for v in failing_d)}
 
 
-def _rne_units(W, f, frac_bits):
-    """Round-half-even of W + f / 2^frac_bits (W, f int64 arrays, 0 <= f < 2^frac_bits) to an integer."""
-    half = np.int64(1) << (frac_bits - 1)
-    return W + ((f > half) | ((f == half) & (W & 1 == 1)))
-
-
 def reciprocal_step_exact(d_sigs: np.ndarray, r_units: np.ndarray):
     """One Markstein correction of a reciprocal estimate, in integers: d = D 2^-23 (D in [2^23, 2^24)), the
     estimate r = F 2^-24 (F near 2^47 / D); e = RN(1 - d r) (fma), r' = RN(r + e r) (fma). Returns (r' in units
@@ -235,9 +232,7 @@ def reciprocal_step_exact(d_sigs: np.ndarray, r_units: np.ndarray):
     R = _rne_units(W, f, 47)
     hi = R >= (np.int64(1) << 24)  # at or past 1.0: round again to even units of 2 (exact from W, f)
     if np.any(hi):
-        Wh, fh = W[hi], f[hi]
-        rem = (Wh & 1) * (np.int64(1) << 47) + fh
-        R[hi] = 2 * _rne_units(Wh >> 1, rem, 48)
+        R[hi] = 2 * _round_half_units(W[hi], f[hi])
     Y = _rne_div(np.int64(1) << 47, D)  # 1/d in (0.5, 1]: units of 2^-24, the spacing there
     return R, Y
 
@@ -293,49 +288,41 @@ def check_e2m1(quick: bool, chunk_bits: int = 24) -> dict:
     return {"values": total, "nan_values": nans, "mismatches": bad}
 
 
+# --part name -> (JSON key, check, printed label, whether its result passes)
+PARTS = {
+    "e2m1": ("e2m1", check_e2m1, "e2m1", lambda r: r["mismatches"] == 0),
+    "markstein": ("markstein_once_bf16", check_markstein, "markstein (one correction, bfloat16 x)",
+                  lambda r: r["failing_pairs"] == 0),
+    "markstein_f32": ("markstein_once_f32", check_markstein_f32, "markstein (one correction, float32 x, hard pairs)",
+                      lambda r: r["failing_pairs"] == 0),
+    "reciprocal": ("reciprocal_step", check_reciprocal, "reciprocal (one correction of an estimate within 1 ulp)",
+                   lambda r: set(r["failing_d_significands"]) <= {hex((ONE << 1) - 1)}),
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["e2m1", "markstein", "markstein_f32", "reciprocal", "all"], default="all",
-                    help="which check to run")
+    ap.add_argument("--part", choices=[*PARTS, "all"], default="all", help="which check to run")
     ap.add_argument("--quick", action="store_true", help="a subset (seconds), as in CI")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    import platform
-
     import jax
 
     res = {"quick": args.quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
-           "cpus": __import__("os").cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+           "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
            "jax": jax.__version__}
-    if args.part in ("e2m1", "all"):
-        t = time.time()
-        res["e2m1"] = check_e2m1(args.quick) | {"seconds": round(time.time() - t, 1)}
-        print("e2m1:", res["e2m1"], flush=True)
-    if args.part in ("markstein", "all"):
-        t = time.time()
-        res["markstein_once_bf16"] = check_markstein(args.quick) | {"seconds": round(time.time() - t, 1)}
-        print("markstein (one correction, bfloat16 x):", res["markstein_once_bf16"], flush=True)
-    if args.part in ("markstein_f32", "all"):
-        t = time.time()
-        res["markstein_once_f32"] = check_markstein_f32(args.quick) | {"seconds": round(time.time() - t, 1)}
-        print("markstein (one correction, float32 x, hard pairs):", res["markstein_once_f32"], flush=True)
-    if args.part in ("reciprocal", "all"):
-        t = time.time()
-        res["reciprocal_step"] = check_reciprocal(args.quick) | {"seconds": round(time.time() - t, 1)}
-        print("reciprocal (one correction of an estimate within 1 ulp):", res["reciprocal_step"], flush=True)
+    for name, (key, check, label, passed) in PARTS.items():
+        if args.part in (name, "all"):
+            t = time.time()
+            res[key] = check(args.quick) | {"seconds": round(time.time() - t, 1)}
+            print(f"{label}:", res[key], flush=True)
     if args.out:
+        from jaxrl_fp8.model.hf_io import write_json_atomic
+
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
-        tmp.replace(args.out)
-    ok = res.get("e2m1", {}).get("mismatches", 0) == 0
-    ms = res.get("markstein_once_bf16")
-    ok &= ms is None or ms["failing_pairs"] == 0
-    mf = res.get("markstein_once_f32")
-    ok &= mf is None or mf["failing_pairs"] == 0
-    rc = res.get("reciprocal_step")
-    ok &= rc is None or set(rc["failing_d_significands"]) <= {hex((ONE << 1) - 1)}
+        write_json_atomic(str(args.out), res)
+    ok = all(passed(res[key]) for key, _, _, passed in PARTS.values() if key in res)
     return 0 if ok else 1
 
 
