@@ -469,6 +469,9 @@ def reciprocals(d):
 # With the TMA swizzle the 16-byte loads of 8 consecutive threads fall in 8 distinct bank quads.
 
 
+SLAB_ROWS = 128  # rows of one row_layout slab: one row per thread of the warpgroup
+
+
 def row_layout(group: int, dtype):
     """[rows, group] tile layout: one row per thread (rows t, t + 128, ...), vectors of 16 bytes."""
     vec = 16 // jnp.dtype(dtype).itemsize
@@ -588,6 +591,15 @@ class MlirOps:
         """x / s with one correction (see _MARKSTEIN_ONCE_PTX for when it is RN(x / s))."""
         return self.asm(self.f32, [x, s, r], _MARKSTEIN_ONCE_PTX, "=f,f,f,f")
 
+    def prmt(self, a, b, sel: int):
+        """PTX prmt.b32 (byte permute of {b, a}; a selector nibble's bit 3 replicates the byte's sign bit)."""
+        return self.asm(self.i32, [a, b], f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r")
+
+    def mad(self, a, k: int, b):
+        """a * k + b mod 2^32 as PTX mad.lo.u32: an IMAD, which issues to the FMA pipe, not the integer ALU's
+        (LLVM would turn a multiply by a power of two into a shift and an add: two ALU instructions or one LEA)."""
+        return self.asm(self.i32, [a, self._c(b)], f"mad.lo.u32 $0, $1, {ir_int(k)}, $2;", "=r,r,r")
+
     def cvt_f8x2(self, hi, lo, name: str):
         """RNE satfinite cast of two float32 to one fp8 pair (lo in the low byte), as an i32 (upper 16 bits 0)."""
         h = self.asm(self.i16, [hi, lo], f"cvt.rn.satfinite.{name}x2.f32 $0, $1, $2;", "=h,f,f")
@@ -647,6 +659,24 @@ class JnpOps:
     fmin_num = staticmethod(lambda a, b: jnp.fmin(a, F32(b)))  # NaN-ignoring, as PTX min.f32
     fmax_num = staticmethod(lambda a, b: jnp.fmax(a, F32(b)))
     abs = staticmethod(jnp.abs)
+
+    @staticmethod
+    def mad(a, k: int, b):
+        return a * jnp.uint32(k) + (jnp.uint32(b) if isinstance(b, int) else b)
+
+    @staticmethod
+    def prmt(a, b, sel: int):
+        """PTX prmt.b32 in its default mode: output byte k is byte (sel >> 4k) & 7 of {b, a} (a = bytes 0-3), or,
+        when the nibble's bit 3 is set, that byte's bit 7 replicated over all eight bits."""
+        out = jnp.zeros_like(a)
+        for k in range(4):
+            nib = (sel >> (4 * k)) & 0xF
+            src = a if (nib & 7) < 4 else b
+            byte = (src >> jnp.uint32(8 * (nib & 3))) & jnp.uint32(0xFF)
+            if nib & 8:
+                byte = jnp.where(byte >= 0x80, jnp.uint32(0xFF), jnp.uint32(0))
+            out = out | (byte << jnp.uint32(8 * k))
+        return out
 
     @staticmethod
     def fma(a, b, c):
@@ -720,3 +750,88 @@ def e2m1_word(ys, sign_bits, ops):
         w = ops.or_(w, ops.and_(moved, 8 << (4 * e)))
     return w
 
+
+
+# ------------------------------------------------------------------------------------- NVFP4 v6 forms
+# The v4 word with shorter dependency chains (the kernel is latency-bound, docs/decisions/0006): magnitudes summed
+# as a tree instead of one running sum, and the eight signs gathered into one word apart from the magnitudes. For
+# bfloat16 input the signs come straight from the raw bf16x2 registers with four byte permutes (PRMT's
+# sign-replicate mode) instead of a shift and a masked OR per value. Same bits as `e2m1_word`: integer addition
+# and OR are associative, and each sign lands on bit 4e + 3 either way.
+
+
+def _tree(vals, combine):
+    while len(vals) > 1:
+        vals = [combine(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
+    return vals[0]
+
+
+def e2m1_word_tree(ys, sign_word, ops):
+    """`e2m1_word` of eight quotients with the signs given as a word (sign of value e on bit 4e + 3, nothing else)."""
+    ms = [e2m1_magnitude_biased(y, ops) for y in ys]
+    w = _tree([m if e == 0 else ops.shl(m, 4 * e) for e, m in enumerate(ms)], ops.add)
+    return ops.or_(ops.sub(w, E2M1_WORD_BIAS), sign_word)
+
+
+def sign_word_f32(sign_bits, ops):
+    """Bit 31 of each of eight float32 bit patterns on bit 4e + 3 of one word (OR tree)."""
+    parts = [ops.and_(ops.shr(sb, 28 - 4 * e) if e < 7 else sb, 8 << (4 * e)) for e, sb in enumerate(sign_bits)]
+    return _tree(parts, ops.or_)
+
+
+# prmt selectors: [a.b1, b.b1, a.b3, b.b3] sign-replicated; then the even / odd bytes of the two results
+_PRMT_SIGNS, _PRMT_EVEN, _PRMT_ODD = 0xFBD9, 0x5410, 0x7632
+
+
+def sign_word_bf16(raw_words, ops):
+    """Signs of eight bfloat16 values held as four bf16x2 words (value 2i in the low half of word i) on bit 4e + 3.
+
+    A = prmt(w0, w1) = [s0, s2, s1, s3] and B = prmt(w2, w3) = [s4, s6, s5, s7] as 0x00 / 0xFF bytes; their even and
+    odd bytes give [s0, s2, s4, s6] and [s1, s3, s5, s7]; byte k of the word takes bit 3 from the first (value 2k)
+    and bit 7 from the second (value 2k + 1).
+    """
+    w0, w1, w2, w3 = raw_words
+    a, b = ops.prmt(w0, w1, _PRMT_SIGNS), ops.prmt(w2, w3, _PRMT_SIGNS)
+    even, odd = ops.prmt(a, b, _PRMT_EVEN), ops.prmt(a, b, _PRMT_ODD)
+    return ops.or_(ops.and_(even, 0x08080808), ops.and_(odd, 0x80808080))
+
+
+# ------------------------------------------------------------------------------------- NVFP4 v7 form
+# The v6 word with the E2M1 magnitude computed mostly on the FMA pipe. Nsight Compute on the H200 (session 17) showed
+# the integer / logic ALU as the busiest pipe (66 %) of the v5 kernel: it issues at half the rate of the FMA pipe, and
+# v4's magnitude formula spends 5 of its 6 instructions there (two float min/max, an and, an add, a shift-add).
+#
+# With a = |y|, n_k = RNE(a / 2^k) for k = -1, 0, 1 (the E2M1 grid spacings 0.5, 1, 2 of the binades [0, 2), [2, 4),
+# [4, 6]), the contract's code of min(a, 6) is
+#     code = min(n_-1, n_0 + 2, n_1 + 4, 7)
+# Each candidate is right on its binade and above the right one elsewhere (RNE is monotone and adding an even
+# integer keeps its ties: RNE(2a) >= RNE(a + 2) = RNE(a) + 2 for a >= 2, and so on); the 7 is the saturation at 6.
+# With 2^23 added (spacing 1), each candidate is one fma with one rounding:
+#     C_-1 = fma(a, 2, 2^23),  C_0 = fma(a, 1, 2^23 + 2),  C_1 = fma(a, 0.5, 2^23 + 4)
+# and min(C_-1, C_0, C_1, 2^23 + 7) is 2^23 + code exactly, so its bits are 0x4B000000 + code: three float mins
+# (ALU) and three fmas (FMA pipe) instead of five ALU instructions and one fma. PTX min.f32 returns the non-NaN
+# operand, so a NaN y (the Markstein quotient past float32 max, as the contract's +-inf) gives 7; inf gives 7.
+# Checked against the contract's threshold count for all 2^32 float32 y (tests/pallas_kernels/test_quantize.py).
+# The biased codes go into the word by mad.lo (IMAD, FMA pipe) in a tree; the bias leaves once per word.
+
+E2M1_MIN3_BIAS = 0x4B000000
+E2M1_MIN3_WORD_BIAS = (E2M1_MIN3_BIAS * 0x11111111) & 0xFFFFFFFF
+_TWO_23 = 8388608.0
+
+
+def e2m1_magnitude_min3(y, ops):
+    """0x4B000000 + the E2M1 magnitude code of min(|y|, 6), round-to-nearest-even (see above)."""
+    a = ops.abs(y)
+    c_half = ops.fma(a, 2.0, _TWO_23)
+    c_one = ops.fma(a, 1.0, _TWO_23 + 2.0)
+    c_two = ops.fma(a, 0.5, _TWO_23 + 4.0)
+    return ops.bits(ops.fmin_num(ops.fmin_num(c_half, c_one), ops.fmin_num(c_two, _TWO_23 + 7.0)))
+
+
+def e2m1_word_min3(ys, sign_word, ops):
+    """Eight E2M1 codes in one word (value e in bits 4e..4e+3) from e2m1_magnitude_min3 and a sign word."""
+    ms = [e2m1_magnitude_min3(y, ops) for y in ys]
+    pairs = [ops.mad(ms[e + 1], 16, ms[e]) for e in range(0, 8, 2)]
+    quads = [ops.mad(pairs[i + 1], 256, pairs[i]) for i in range(0, 4, 2)]
+    w = ops.mad(quads[1], 65536, quads[0])
+    return ops.or_(ops.sub(w, E2M1_MIN3_WORD_BIAS), sign_word)

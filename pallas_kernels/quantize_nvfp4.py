@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jaxlib.mlir.dialects import arith, memref, vector
 
 from jaxrl_fp8.precision.arith import F32
@@ -123,8 +124,24 @@ def _nvfp4_body(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, *, rows_per_gro
 #  - g = max(amax, 1e-10) / 2688 is one div.rn per thread per tile (a scalar), not one per row.
 
 
+def _tile_scalars_gpu(amax, group, g_ref):
+    """g = div.rn(amax, 2688) and RN(1/g) = div.rn(1, g) as splat values, g stored at g_ref[group]: once per tile."""
+    splat = plgpu.Layout.WG_SPLAT
+
+    @plgpu.inline_mgpu(arg_types=(splat, splat, plgpu.RefType()),
+                       return_type=(plgpu.ShapeDtypeStruct((), F32, splat),) * 2)
+    def scalars(ctx, amax, group, g_out):
+        del ctx
+        o = C.MlirOps()
+        g = o.div_rn(C.splat_scalar(amax), GLOBAL_DIVISOR)
+        memref.store(g, g_out, [arith.index_cast(ir.IndexType.get(), C.splat_scalar(group))])
+        return tuple(mgpu_fa.FragmentedArray.splat(v, (), is_signed=None) for v in (g, o.div_rn(1.0, g)))
+
+    return scalars(amax, group, g_ref)
+
+
 def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_rows: bool = False,
-            value_form: str = "v2"):
+            value_form: str = "v2", scalars=None):
     """GPU body of one tile: x [tr, 16] in C.row_layout, amax / group scalars; writes packed, bs and g.
 
     branch_free_rows (impl "v3"): the same bits with less latency per row. The per-row divisions amax / 6 and
@@ -155,23 +172,38 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
     value_form "v5" (impl "v5"): v4 with RN(1/d) per row from C._RCP_RN_PTX (hardware estimate, a Newton step,
       a Markstein correction, the all-ones significand by its closed form) instead of div.rn.f32, so no row's
       chain has a branch: v3 removed two of the three per-row div.rn for that reason; this removes the third.
+    value_form "v6" (impl "v6"): v5 with shorter dependency chains and fewer live registers, same bits. v4 and v5
+      ran slower per instruction than v3 on the H200 (session 17: fewer instructions, no faster), i.e. they wait on
+      dependent instructions with two warps per scheduler. So: each word's magnitudes are summed as a tree
+      (C.e2m1_word_tree; depth 3 instead of a running sum of 8), its signs come as one word (bf16 input: four
+      byte permutes of the raw bf16x2 registers, C.sign_word_bf16, instead of a shift and a masked OR per value),
+      and the rows' chains run two rows at a time instead of all at once (fewer registers, so a third CTA fits).
+    value_form "v7" (impl "v7"): v6 with the E2M1 magnitude mostly on the FMA pipe (C.e2m1_word_min3: three fmas and
+      three float mins per value instead of five ALU instructions and one fma, codes put into the word by IMAD).
+      Nsight Compute showed the ALU pipe as v5's busiest (66 %); it issues at half the FMA pipe's rate.
+    scalars: (g, RN(1/g)) from `_tile_scalars_gpu` when the caller runs this body on slices of one tile (impl "v8");
+      None: computed here (and g stored) from amax.
     """
     layout = C.row_layout(NVFP4_BLOCK, in_dtype)
+    splat = plgpu.Layout.WG_SPLAT
 
     @plgpu.inline_mgpu(
-        arg_types=(layout, plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT, plgpu.RefType(), plgpu.RefType(),
-                   plgpu.RefType()),
+        arg_types=(layout, splat, splat, plgpu.RefType(), plgpu.RefType(), plgpu.RefType())
+        + ((splat, splat) if scalars is not None else ()),
         return_type=None,
     )
-    def body(ctx, x, amax, group, packed, bs_out, g_out):
+    def body(ctx, x, amax, group, packed, bs_out, g_out, *given):
         del ctx
         o = C.MlirOps()
         index = ir.IndexType.get()
-        amax, group = C.splat_scalar(amax), C.splat_scalar(group)
-        g = o.div_rn(amax, GLOBAL_DIVISOR)
-        memref.store(g, g_out, [arith.index_cast(index, group)])  # every thread stores the same value
+        if given:
+            g, r_g = (C.splat_scalar(v) for v in given)
+        else:
+            amax, group = C.splat_scalar(amax), C.splat_scalar(group)
+            g = o.div_rn(amax, GLOBAL_DIVISOR)
+            memref.store(g, g_out, [arith.index_cast(index, group)])  # every thread stores the same value
         if branch_free_rows:
-            r_g = o.div_rn(1.0, g)
+            r_g = r_g if given else o.div_rn(1.0, g)
             r_6 = o.f(RECIP_6)
             # 1/g is 0 only for g = inf (a given global amax of inf): finite g <= f32 max / 2688 has a normal 1/g
             g_is_inf = o.arith.cmpf(o.arith.CmpFPredicate.OEQ, r_g, o.f(0.0))
@@ -179,9 +211,19 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
         n_rows, n_vec = regs.shape[0], regs.shape[-2]
         rows = [idx[0] for idx, _ in zip(x.layout.thread_idxs(x.shape), range(regs.size))]
 
-        v4 = value_form in ("v4", "v5")
+        v4 = value_form in ("v4", "v5", "v6", "v7")
+        v6 = value_form in ("v6", "v7")
         # v4 / v5: one Markstein correction is RN(a / b) for every float32 a and b (C._MARKSTEIN_ONCE_PTX)
         divide = o.markstein_once if v4 else o.markstein
+
+        def raw_words(j):
+            """The row's bf16x2 words (value 2i in the low half of word i), four per vector of 8 bf16."""
+            words = []
+            for k in range(n_vec):
+                w4 = vector.bitcast(ir.VectorType.get((4,), o.i32), regs[(j, 0, 0, 0, 0, k, 0)])
+                words += [vector.extract(w4, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                          for i in range(4)]
+            return words
 
         def row_chain(j):
             vals = []
@@ -207,14 +249,20 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
             d = o.mul(o.e4m3_to_f32(byte), g)
             ok = o.fgt(d, 0.0)
             dd = o.fselect(ok, d, 1.0)
-            return vals, byte, ok, dd, (o.rcp_rn(dd) if value_form == "v5" else o.div_rn(1.0, dd))
+            return vals, byte, ok, dd, (o.rcp_rn(dd) if value_form in ("v5", "v6", "v7") else o.div_rn(1.0, dd))
 
         def row_values(j, vals, byte, ok, dd, r):
             mask = o.select(ok, 0xFFFFFFFF, 0)
             words = []
+            raw = raw_words(j) if v6 and in_dtype == jnp.bfloat16 else None
             for half in range(2):
                 xs = vals[half * 8:(half + 1) * 8]
-                if v4:
+                if v6:
+                    signs = (C.sign_word_bf16(raw[half * 4:(half + 1) * 4], o) if raw is not None
+                             else C.sign_word_f32([o.bits(x_e) for x_e in xs], o))
+                    word = C.e2m1_word_min3 if value_form == "v7" else C.e2m1_word_tree
+                    w = word([divide(x_e, dd, r) for x_e in xs], signs, o)
+                elif v4:
                     w = C.e2m1_word([divide(x_e, dd, r) for x_e in xs], [o.bits(x_e) for x_e in xs], o)
                 else:
                     w = None
@@ -231,17 +279,19 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
             memref.store(arith.trunci(o.i8, byte), bs_out, [row])
 
         if branch_free_rows:
-            chains = [row_chain(j) for j in range(n_rows)]
-            for j, chain in enumerate(chains):
-                row_values(j, *chain)
+            in_flight = 2 if v6 else n_rows  # rows whose chains are emitted before their values
+            for j0 in range(0, n_rows, in_flight):
+                chains = [row_chain(j) for j in range(j0, min(j0 + in_flight, n_rows))]
+                for j, chain in enumerate(chains, start=j0):
+                    row_values(j, *chain)
         else:
             for j in range(n_rows):
                 row_values(j, *row_chain(j))
 
-    body(x, amax, group, packed_ref, bs_ref, g_ref)
+    body(x, amax, group, packed_ref, bs_ref, g_ref, *(scalars or ()))
 
 
-def _v2_interpret(x, g, value_form: str = "v2"):
+def _v2_interpret(x, g, value_form: str = "v2", in_dtype=jnp.float32):
     """Interpret-mode body: the same steps as `_v2_gpu` in jnp (x [tr, 16] float32, g scalar). The divisions are
     XLA:CPU's IEEE ones (the GPU's Markstein forms are checked against them separately); value_form "v4" / "v5"
     runs C.e2m1_word, the formula their GPU bodies run."""
@@ -255,7 +305,21 @@ def _v2_interpret(x, g, value_form: str = "v2"):
     ok = d > 0
     dd = jnp.where(ok, d, F32(1.0))
     y = x / lax.optimization_barrier(C.row_broadcast(dd, x.shape))
-    if value_form in ("v4", "v5"):
+    if value_form in ("v6", "v7"):
+        word = C.e2m1_word_min3 if value_form == "v7" else C.e2m1_word_tree
+        xb = o.bits(x)  # bf16 -> f32 is exact: a bf16 value's bits are the top half of its float32 bits
+        words = []
+        for h in range(2):
+            cols = range(h * 8, h * 8 + 8)
+            if in_dtype == jnp.bfloat16:
+                raw = [(xb[:, h * 8 + 2 * i] >> jnp.uint32(16)) | (xb[:, h * 8 + 2 * i + 1] & jnp.uint32(0xFFFF0000))
+                       for i in range(4)]
+                signs = C.sign_word_bf16(raw, o)
+            else:
+                signs = C.sign_word_f32([xb[:, c] for c in cols], o)
+            words.append(word([y[:, c] for c in cols], signs, o))
+        words = jnp.stack(words, axis=1)  # [tr, 2]
+    elif value_form in ("v4", "v5"):
         words = jnp.stack([C.e2m1_word([y[:, h * 8 + e] for e in range(8)], [o.bits(x[:, h * 8 + e]) for e in range(8)], o)
                            for h in range(2)], axis=1)  # [tr, 2]
     else:
@@ -269,19 +333,43 @@ def _v2_interpret(x, g, value_form: str = "v2"):
 
 
 def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, *, rows_per_group, tr, mode, in_dtype,
-                   branch_free_rows=False, value_form="v2"):
+                   branch_free_rows=False, value_form="v2", slab_loop=False):
     group = (t * tr) // rows_per_group  # tiles never straddle two global scales
     amax = jnp.maximum(amax_gmem[group], F32(AMAX_FLOOR))
+    half = NVFP4_BLOCK // 2
     if mode == C.INTERPRET:
         g = amax / lax.optimization_barrier(F32(GLOBAL_DIVISOR))
         g_gmem[group] = g
-        packed, bs = _v2_interpret(x_ref[...].astype(F32), g, value_form)
-        packed_ref[...] = packed
-        bs_ref[...] = bs
+        if not slab_loop:
+            packed, bs = _v2_interpret(x_ref[...].astype(F32), g, value_form, in_dtype)
+            packed_ref[...] = packed
+            bs_ref[...] = bs
+            return
+
+        @pl.loop(0, tr // C.SLAB_ROWS)  # the GPU body's slab slices, so the CPU tests check their offsets
+        def _slab_interpret(j):
+            r0 = j * C.SLAB_ROWS
+            packed, bs = _v2_interpret(x_ref.at[pl.ds(r0, C.SLAB_ROWS)][...].astype(F32), g, value_form, in_dtype)
+            packed_ref.at[pl.ds(r0 * half, C.SLAB_ROWS * half)][...] = packed
+            bs_ref.at[pl.ds(r0, C.SLAB_ROWS)][...] = bs
+
         return
-    x = plgpu.load(x_ref, (), layout=C.row_layout(NVFP4_BLOCK, in_dtype))
-    _v2_gpu(x, amax, group.astype(jnp.int32), packed_ref, bs_ref, g_gmem, in_dtype=in_dtype,
-            branch_free_rows=branch_free_rows, value_form=value_form)
+    layout, group = C.row_layout(NVFP4_BLOCK, in_dtype), group.astype(jnp.int32)
+    if not slab_loop:
+        x = plgpu.load(x_ref, (), layout=layout)
+        _v2_gpu(x, amax, group, packed_ref, bs_ref, g_gmem, in_dtype=in_dtype, branch_free_rows=branch_free_rows,
+                value_form=value_form)
+        return
+    # impl "v8": one 128-row slab (one row per thread) per loop step, so only one row's values are live
+    scalars = _tile_scalars_gpu(amax, group, g_gmem)
+
+    @pl.loop(0, tr // C.SLAB_ROWS)
+    def _slab(j):
+        r0 = pl.multiple_of(j * C.SLAB_ROWS, C.SLAB_ROWS)
+        xs = plgpu.load(x_ref.at[pl.ds(r0, C.SLAB_ROWS)], (), layout=layout)
+        _v2_gpu(xs, amax, group, packed_ref.at[pl.ds(r0 * half, C.SLAB_ROWS * half)],
+                bs_ref.at[pl.ds(r0, C.SLAB_ROWS)], g_gmem, in_dtype=in_dtype, branch_free_rows=True,
+                value_form=value_form, scalars=scalars)
 
 
 @functools.partial(jax.jit, static_argnames=("groups", "cfg", "interpret", "impl"))
@@ -304,14 +392,18 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     amax = jnp.pad(global_amax.astype(F32), (0, gpad))
     ntiles = pl.cdiv(rp, tr)
     half = NVFP4_BLOCK // 2
-    v2 = impl in ("v2", "v3", "v4", "v5")
+    v2 = impl in ("v2", "v3", "v4", "v5", "v6", "v7", "v8")
     mode = C.div_mode(interpret, cfg)
     if v2:
+        if tr % C.SLAB_ROWS:
+            raise ValueError(f"nvfp4 impl={impl!r} keeps one row per thread in {C.SLAB_ROWS}-row slabs: "
+                             f"TileConfig.rows must be a multiple of {C.SLAB_ROWS}, got {tr}")
         if mode not in (C.INTERPRET, C.MARKSTEIN):
             raise ValueError(f"nvfp4 impl={impl!r} divides with the Markstein sequence only (division={cfg.division!r}); use impl='v1'")
         body = functools.partial(_nvfp4_body_v2, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode,
-                                 in_dtype=jnp.dtype(x.dtype), branch_free_rows=impl in ("v3", "v4", "v5"),
-                                 value_form=impl if impl in ("v4", "v5") else "v2")
+                                 in_dtype=jnp.dtype(x.dtype), branch_free_rows=impl in ("v3", "v4", "v5", "v6", "v7", "v8"),
+                                 value_form={"v8": "v7"}.get(impl, impl) if impl in ("v4", "v5", "v6", "v7", "v8")
+                                 else "v2", slab_loop=impl == "v8")
     else:
         body = functools.partial(_nvfp4_body, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode)
     bs_dtype = jnp.uint8 if v2 else E4M3  # v2 writes the scale bytes as integers (bitcast after the kernel)
@@ -338,24 +430,42 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     return packed, bs[:r].reshape(*lead, kp // NVFP4_BLOCK), g[:groups]
 
 
-# v1: the first kernel (wgmma layout, threshold compares, byte stores); v3: v2 with branch-free per-row divisions
-# (interpret mode runs v2's jnp steps for both); v4: v3 with fewer instructions per value; v5: v4 with a
-# branch-free per-row reciprocal (v4 and v5 not yet run on the H200, so not the default); all kept for A/B timing
-IMPLS = ("v3", "v4", "v5", "v2", "v1")
+# Every version returns the contract's bits; all are kept so one benchmark run times them side by side
+# (experiments/benchmarks/quantize.py). v1: the first kernel (wgmma layout, threshold compares, byte stores); v2: row per
+# thread, codes from the float bits, 8-byte stores; v3: v2 with branch-free per-row divisions; v4: one Markstein
+# correction per division and the E2M1 word; v5: v4 with a branch-free per-row reciprocal; v6: v5 with tree sums and sign
+# words; v7: v6 with the E2M1 magnitude on the FMA pipe; v8: v7 one 128-row slab per loop step (68 registers).
+IMPLS = ("v3", "v4", "v5", "v6", "v7", "v8", "v2", "v1")
+
+# The defaults, from the H200 runs of session 17 (results/quantize_nvfp4_v6..v8_h200.json, decision record 0006):
+# on 256 MiB inputs v6 with 768-row tiles at 3 CTAs per SM was the fastest bf16 kernel in every run (55-59 % of copy
+# bandwidth, against v3's 44-46 % at its 512-row default) and v7 with the same tiling the fastest float32 one (69-73 %).
+# Tall tiles leave few tiles per CTA on small tensors, where the 512-row, 2-CTA tiling was faster (32 MiB: v3 at 512
+# rows 17 %, v7 at 768 rows 12 %), so inputs of fewer than LARGE_ROWS 16-value rows keep it.
+LARGE_ROWS = 1 << 21
+LARGE_TILES = C.TileConfig(rows=768, ctas_per_sm=3)
+
+
+def default_impl_and_config(x) -> tuple[str, C.TileConfig]:
+    """The kernel version and tiling `nvfp4` uses when the caller names none (see LARGE_ROWS above)."""
+    impl = "v7" if jnp.dtype(x.dtype) == jnp.float32 else "v6"
+    rows = math.prod(x.shape[:-1]) * -(-x.shape[-1] // NVFP4_BLOCK)
+    return impl, (LARGE_TILES if rows >= LARGE_ROWS else C.TileConfig())
 
 
 @traced_once("four_over_six", "interpret", "config", "impl")
 def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool = False,
-          config: C.TileConfig | None = None, impl: str = "v3"):
+          config: C.TileConfig | None = None, impl: str | None = None):
     """Kernel form of `jaxrl_fp8.precision.quantize_nvfp4`: (packed uint8 [..., Kp/2], e4m3 [..., Kp/16], g).
 
     global_amax: None (the tensor's finite amax, one XLA reduction before the kernel), a scalar, or an
     array of shape x.shape[:1] (one per expert of a stack). Per-token scales are not supported here.
-    impl: "v3" (default: v2 with branch-free per-row divisions, `_v2_gpu`; 1.12x v2 on bf16 input, equal on
-    float32, H200), "v4" (v3 with one Markstein correction per division and the cheaper E2M1 word; not yet
-    timed on the GPU), "v5" (v4 with a branch-free per-row RN(1/d); not yet timed), "v2" (row per thread, codes from the float bits, 8-byte stores) or "v1" (the first
-    kernel); all return the contract's bits.
+    impl / config: a kernel version of IMPLS and its tiling; None picks the measured default for x's dtype and
+    size (`default_impl_and_config`). Every version returns the contract's bits.
     """
+    x = jnp.asarray(x)
+    default_impl, default_config = default_impl_and_config(x) if x.ndim else ("v3", None)
+    impl = impl or default_impl
     if impl not in IMPLS:
         raise ValueError(f"nvfp4: impl must be one of {IMPLS}, got {impl!r}")
     if four_over_six:
@@ -363,7 +473,6 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
             "nvfp4 kernel: four_over_six is not implemented (its error comparison has no fixed summation order); "
             "use jaxrl_fp8.precision.quantize_nvfp4"
         )
-    x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError("nvfp4 needs at least one axis")
     _check_input(x, "nvfp4")
@@ -380,7 +489,7 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
             "use a scalar or one value per leading slice (x.shape[:1])"
         )
     interpret = C.resolve_interpret(interpret)
-    cfg = config or C.TileConfig()
+    cfg = config or default_config
     shape = global_amax.shape
     with C.interpret_context(interpret):
         rows_per_expert = math.prod(x.shape[1:-1]) * (-(-x.shape[-1] // NVFP4_BLOCK))

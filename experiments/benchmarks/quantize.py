@@ -135,8 +135,24 @@ def copy_anchor(size_bytes: int = 1 << 30, torch_anchor: bool = True) -> dict:
 KERNELS = ("fp8_per_token_group", "mxfp8", "fp8_per_block", "nvfp4")
 
 
+def nvfp4_sweep(dtype) -> list:
+    """(TileConfig, impl) pairs timed for NVFP4 on a 256 MiB input of `dtype`, oldest kernel first.
+
+    v3: v2 with branch-free per-row divisions; v4: one Markstein correction per division and the E2M1 word formula;
+    v5: v4 with a branch-free per-row RN(1/d); v6: v5 with tree sums and sign words; v7: v6 with the E2M1 magnitude
+    on the FMA pipe (quantize_nvfp4._v2_gpu); v8: v7 one 128-row slab per loop step (fewer registers, more CTAs). The kernels are issue- and latency-bound at 2 warps per scheduler
+    (Nsight Compute), so the configs trade rows per thread (ILP, registers, SMEM) against CTAs per SM.
+    """
+    T = Q.TileConfig
+    if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl_and_config), then what it replaced
+        return [(T(rows=768, ctas_per_sm=3), "v6"), (T(), "v3"), (T(), "v6"), (T(rows=768, ctas_per_sm=3), "v5"),
+                (T(rows=1024), "v7"), (T(rows=768, ctas_per_sm=3), "v7"), (T(rows=1024), "v8")]
+    return [(T(rows=768, ctas_per_sm=3), "v7"), (T(), "v3"), (T(rows=768, ctas_per_sm=3), "v6"), (T(stages=4), "v7"),
+            (T(rows=768, ctas_per_sm=3), "v8")]
+
+
 def ab_cases(kernels):
-    """v1 vs v2 (vs v3, v4 and v5 for NVFP4) of NVFP4 and MXFP8 on the >= 256 MiB inputs: (name, shape, dtype, kernel fn, XLA fn, [(cfg, impl)])."""
+    """v1 vs v2 (vs v3 .. v6 for NVFP4) of NVFP4 and MXFP8 on the >= 256 MiB inputs: (name, shape, dtype, kernel fn, XLA fn, [(cfg, impl)])."""
     T = Q.TileConfig
     bf16, f32 = jnp.bfloat16, jnp.float32
     g = 4.0
@@ -145,14 +161,8 @@ def ab_cases(kernels):
           jax.jit(lambda x: P.quantize_nvfp4(x, global_amax=g)))
     both = [(T(), "v1"), (T(), "v2")]
     out = [
-        # v2 is compute-bound with 2 warps per scheduler at 2 CTAs/SM: more resident CTAs hide its latency chains
-        # v3: v2 with branch-free per-row divisions (quantize_nvfp4._v2_gpu)
-        # v4: v3 with one Markstein correction per division and the cheaper E2M1 word (C.e2m1_word)
-        # v5: v4 with a branch-free per-row RN(1/d)
-        ("nvfp4", (32768, 4096), bf16, *nv, both + [(T(), "v3"), (T(stages=4), "v3"), (T(), "v4"), (T(stages=4), "v4"),
-                                                    (T(), "v5"), (T(stages=4), "v5"), (T(ctas_per_sm=4), "v5"),
-                                                    (T(rows=256, ctas_per_sm=4), "v5"), (T(rows=1024), "v5")]),
-        ("nvfp4", (8192, 8192), f32, *nv, both + [(T(), "v3"), (T(), "v4"), (T(), "v5"), (T(stages=4), "v5")]),
+        ("nvfp4", (32768, 4096), bf16, *nv, nvfp4_sweep(bf16)),
+        ("nvfp4", (8192, 8192), f32, *nv, nvfp4_sweep(f32)),
         ("mxfp8", (32768, 4096), bf16, *mx, both + [(T(stages=4), "v2"), (T(ctas_per_sm=4), "v2")]),
     ]
     return [c for c in out if c[0] in kernels]
@@ -166,16 +176,16 @@ def cases(quick: bool, kernels=KERNELS):
     tok_cfgs = [T(), T(stages=4), T(rows=128, ctas_per_sm=1), T(division="div_rn"), T(division="divf")]
     tok_f32 = [T(), T(stages=4)]
     mx_cfgs = [T(), T(stages=4), T(division="divf")]
-    nv_cfgs = [T(), T(stages=4), T(division="div_rn"), T(division="divf")]
     blk_cfgs = [T(), T(stages=4, ctas_per_sm=1), T(division="div_rn"), T(division="divf")]
     bf16, f32 = jnp.bfloat16, jnp.float32
     tok = (lambda x, cfg: Q.fp8_per_token_group(x, config=cfg), jax.jit(P.quantize_fp8_per_token_group))
     mx = (lambda x, cfg: Q.mxfp8(x, config=cfg), jax.jit(P.quantize_mxfp8))
     blk = (lambda x, cfg: Q.fp8_per_block(x, config=cfg), jax.jit(P.quantize_fp8_per_block))
     g = 4.0  # a given global amax (the kernel path the rollout uses)
-    # impl v2/v3 divide with Markstein only; the division variants time v1
-    nv = (lambda x, cfg: Q.nvfp4(x, global_amax=g, config=cfg, impl="v3" if cfg.division == "markstein" else "v1"),
+    # (TileConfig, impl) pairs: impl v2 .. v7 divide with Markstein only, so the division variants time v1
+    nv = (lambda x, ci: Q.nvfp4(x, global_amax=g, config=ci[0], impl=ci[1]),
           jax.jit(lambda x: P.quantize_nvfp4(x, global_amax=g)))
+    nv_div = [(T(division="div_rn"), "v1"), (T(division="divf"), "v1")]
     out = [
         ("fp8_per_token_group", (32768, 4096), bf16, *tok, tok_cfgs),
         ("fp8_per_token_group", (4096, 4096), bf16, *tok, tok_cfgs[:1]),
@@ -185,9 +195,9 @@ def cases(quick: bool, kernels=KERNELS):
         ("fp8_per_block", (64, 1536, 2048), bf16, *blk, blk_cfgs),
         ("fp8_per_block", (8192, 8192), f32, *blk, blk_cfgs[:1]),
         ("fp8_per_block", (4096, 4096), bf16, *blk, blk_cfgs[:1]),
-        ("nvfp4", (32768, 4096), bf16, *nv, nv_cfgs),
-        ("nvfp4", (8192, 8192), f32, *nv, nv_cfgs[:2]),
-        ("nvfp4", (4096, 4096), bf16, *nv, nv_cfgs[:1]),
+        ("nvfp4", (32768, 4096), bf16, *nv, nvfp4_sweep(bf16) + nv_div),
+        ("nvfp4", (8192, 8192), f32, *nv, nvfp4_sweep(f32)),
+        ("nvfp4", (4096, 4096), bf16, *nv, [(T(), "v6"), (T(), "v3"), (T(rows=768, ctas_per_sm=3), "v6")]),
     ]
     out = [c for c in out if c[0] in kernels]
     if quick:

@@ -42,6 +42,12 @@ VARIANTS = {
     "nvfp4_v4": "NVFP4 quantizer (v4: one Markstein correction per division, E2M1 word formula), bf16 in, given global amax",
     "nvfp4_v4_f32": "NVFP4 quantizer (v4), float32 in, given global amax",
     "nvfp4_v5": "NVFP4 quantizer (v5: v4 with a branch-free per-row reciprocal), bf16 in, given global amax",
+    "nvfp4_v6": "NVFP4 quantizer (v6: v5 with tree sums, sign words and two rows' chains at a time), bf16 in, given global amax",
+    "nvfp4_v6_f32": "NVFP4 quantizer (v6), float32 in, given global amax",
+    "nvfp4_v7": "NVFP4 quantizer (v7: v6 with the E2M1 magnitude on the FMA pipe), bf16 in, given global amax",
+    "nvfp4_v7_f32": "NVFP4 quantizer (v7), float32 in, given global amax",
+    "nvfp4_v8": "NVFP4 quantizer (v8: v7 one 128-row slab per loop step), bf16 in, given global amax",
+    "nvfp4_v8_f32": "NVFP4 quantizer (v8), float32 in, given global amax",
 }
 
 SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
@@ -73,7 +79,7 @@ def _child(variant: str) -> None:
         y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, jnp.asarray([300, 0, 500, 224], jnp.int32))
     else:
         dtype = jnp.float32 if variant.endswith("f32") else jnp.bfloat16
-        impl = next((v for v in ("v3", "v4", "v5") if f"_{v}" in variant), "v2")
+        impl = next((v for v in ("v3", "v4", "v5", "v6", "v7", "v8") if f"_{v}" in variant), "v2")
         x = jax.random.normal(key, (4096, 4096), jnp.float32).astype(dtype)
         if variant == "fp8_token_group":
             y = quantize.fp8_per_token_group(x, 128)

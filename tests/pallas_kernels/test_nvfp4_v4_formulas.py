@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 from jaxrl_fp8 import precision as P
@@ -38,6 +39,7 @@ def _rn24(v: Fraction) -> Fraction:
 def test_quick_exhaustive_subsets_pass():
     e2m1 = checks.check_e2m1(quick=True)
     assert e2m1["mismatches"] == 0 and e2m1["values"] >= 3 * (1 << 24) and e2m1["nan_values"] > 0
+    assert e2m1["mismatches_min3"] == 0
     mk = checks.check_markstein(quick=True)
     assert mk["failing_pairs"] == 0 and mk["pairs"] > 1_000_000
     rc = checks.check_reciprocal(quick=True)  # the all-ones significand fails: the v5 kernel special-cases it
@@ -87,6 +89,41 @@ def test_e2m1_word_packs_the_contracts_codes_with_signs_from_x():
     neg = o.bits(jnp.full((1,), -3e38, jnp.float32))
     got = np.asarray(C.e2m1_word([nan] * 8, [neg] * 8, o))
     assert got[0] == 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("sign_source", ["f32", "bf16"])
+def test_v6_v7_words_equal_the_v4_word(sign_source):
+    """v6's tree word and v7's min-of-three word, with their sign words (from float32 bits, or gathered from raw
+    bf16x2 registers by byte permutes), are v4's word bit for bit: ties, signed zeros, saturation, NaN quotients."""
+    rng = np.random.default_rng(2)
+    n = 4096
+    y = rng.standard_normal((n, 8)).astype(np.float32) * np.exp2(rng.integers(-4, 4, (n, 1))).astype(np.float32)
+    y[0] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]
+    y[1] = [-0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -1e30]
+    y[2] = [0.0, -0.0, 1e-45, -1e-40, 7.0, -np.inf, np.inf, np.nan]
+    x = np.where(rng.random((n, 8)) < 0.5, -1.0, 1.0).astype(np.float32) * np.abs(np.nan_to_num(y))
+    x[:3] = np.nan_to_num(y[:3], nan=-3e38)
+    x = x.astype(jnp.bfloat16).astype(np.float32)  # bf16 values, so both sign sources see the same signs
+    o = C.JnpOps
+    yj, xb = jnp.asarray(y), o.bits(jnp.asarray(x))
+    ys = [yj[:, e] for e in range(8)]
+    want = np.asarray(C.e2m1_word(ys, [xb[:, e] for e in range(8)], o))
+    if sign_source == "f32":
+        signs = C.sign_word_f32([xb[:, e] for e in range(8)], o)
+    else:
+        raw = [(xb[:, 2 * i] >> jnp.uint32(16)) | (xb[:, 2 * i + 1] & jnp.uint32(0xFFFF0000)) for i in range(4)]
+        signs = C.sign_word_bf16(raw, o)
+    np.testing.assert_array_equal(np.asarray(C.e2m1_word_tree(ys, signs, o)), want)
+    np.testing.assert_array_equal(np.asarray(C.e2m1_word_min3(ys, signs, o)), want)
+
+
+def test_prmt_emulation_follows_the_ptx_definition():
+    """JnpOps.prmt (what interpret mode runs for the GPU's prmt.b32): byte selects from {b, a} and sign replication."""
+    a, b = jnp.uint32(0x80112233), jnp.uint32(0x44556677)
+    assert int(C.JnpOps.prmt(a, b, 0x3210)) == 0x80112233
+    assert int(C.JnpOps.prmt(a, b, 0x7654)) == 0x44556677
+    assert int(C.JnpOps.prmt(a, b, 0x0004)) == 0x33333377
+    assert int(C.JnpOps.prmt(a, b, 0xB3B3)) == 0xFF80FF80  # byte 3 of a (0x80) sign-replicated, and as is
 
 
 def test_hard_pairs_are_every_pair_near_a_midpoint():

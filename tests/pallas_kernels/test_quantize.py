@@ -212,7 +212,7 @@ def test_nvfp4_f32_saturating_many_tiles_interpret():
         assert_same(a, b, n)
 
 
-@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5", "v6", "v7", "v8"])
 def test_nvfp4_edge_cases_interpret(impl):
     x = edge_cases()
     packed, bs, g = Q.nvfp4(x, interpret=True, impl=impl)
@@ -291,7 +291,7 @@ def _nvfp4_boundary_input(rows=48):
     return jnp.asarray(x)
 
 
-@pytest.mark.parametrize("impl", ["v2", "v1", "v4", "v5"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v4", "v5", "v6", "v7", "v8"])
 def test_nvfp4_e2m1_boundaries_interpret(impl):
     """With global amax 6 * 448 the block scale of an amax-6 block is 448 and d = 448 * g = 1: x / d is x itself,
     so every tie and float32 neighbour of the E2M1 grid reaches the code step exactly."""
@@ -438,7 +438,7 @@ def test_gpu_mxfp8(shape, in_dtype, impl):
     "shape,in_dtype,per_expert",
     [((4096, 4096), BF16, False), ((8, 768, 2048), BF16, True), ((3, 40, 48), F32, True), ((1000, 1000), F32, False)],
 )
-@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5", "v6", "v7", "v8"])
 def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
     x = rand(shape, 8, in_dtype, spread=False)
     gam = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1) if per_expert else None
@@ -450,7 +450,8 @@ def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,division", [("v2", "markstein"), ("v1", "markstein"), ("v1", "div_rn"), ("v3", "markstein"),
-                                           ("v4", "markstein"), ("v5", "markstein")])
+                                           ("v4", "markstein"), ("v5", "markstein"), ("v6", "markstein"),
+                                           ("v7", "markstein"), ("v8", "markstein")])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
     """The benchmark's float32 case at a quarter of its size: many tiles per CTA, saturated block scales (it
@@ -463,7 +464,7 @@ def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["v2", "v3", "v4", "v5"])
+@pytest.mark.parametrize("impl", ["v2", "v3", "v4", "v5", "v6", "v7", "v8"])
 @pytest.mark.parametrize("in_dtype", [F32, BF16])
 def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype, impl):
     """The v2 .. v5 kernels on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack;
