@@ -36,6 +36,7 @@ def test_split3_error_within_the_split_bound(m, n, k):
     assert np.all(np.abs(y - ref) <= bound), float(np.max(np.abs(y - ref) / bound))
 
 
+@pytest.mark.row_invariant_cpu
 def test_split3_rows_do_not_depend_on_the_batch():
     x, w = _operands(70, 256, 128, seed=1)
     f = jax.jit(lambda a: H.high_precision_dot(a, jnp.asarray(w), FORM))

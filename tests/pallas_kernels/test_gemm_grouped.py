@@ -53,6 +53,7 @@ def test_interpret_groups_straddling_blocks_and_partial_last_block():
     assert np.all(np.asarray(y)[279:] == 0)
 
 
+@pytest.mark.row_invariant_cpu
 def test_interpret_row_invariance_across_block_offsets():
     """The same rows give bit-identical results wherever the 128-row block boundaries fall."""
     xq, sa, wq, sb = _operands(4, 200, 2, 128, 256)

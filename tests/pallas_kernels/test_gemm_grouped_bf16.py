@@ -40,6 +40,7 @@ def test_interpret_kn_layout_equals_nk_bitwise():
     _check(nk, x, w, gs)
 
 
+@pytest.mark.row_invariant_cpu
 def test_interpret_row_invariance_across_block_offsets_and_m1():
     """The same rows give identical bits wherever the 128-row block boundaries fall; M = 1 included."""
     x, w = _operands(2, 200, 2, 128, 128)

@@ -9,9 +9,15 @@ Row invariance: every product is a fixed-shape dot over one 128-wide K block and
 accumulated in a fixed sequential order (a scan), so one row's result never depends on the other rows.
 XLA:CPU's matrix-vector path (M == 1) sums in another order than its matrix-matrix path, so a lone row is
 padded to two rows (measured: M >= 2 gives identical rows for every M tried, M == 1 does not).
+That last measurement is a property of the host, not of XLA: on an AVX2-only AMD EPYC (session 17) XLA:CPU takes a
+library kernel (YNNPACK) for float32 dots from about 61 rows and another below, and Eigen's remainder kernels change
+the sums with M, so rows differ in the last bits with M. `cpu_dots_row_invariant` measures it; the CPU tests that
+assert bitwise row invariance run only where it holds (tests/conftest.py, marker `row_invariant_cpu`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -109,3 +115,32 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = B
 
     acc, _ = lax.scan(step, jnp.zeros((mp, n), F32), (a_blocks, b_blocks, sa, sb))
     return acc[:m].astype(out_dtype)
+
+
+@functools.cache
+def cpu_dots_row_invariant() -> bool:
+    """Whether this host's XLA:CPU gives every row of a dot the same bits whatever the other rows are.
+
+    Checks `dot_nt_f32` and a plain [M, K] . [K, N] dot (the layout of the interpreted kernels' tile products and
+    of XLA paths outside this module), float32 and bfloat16 operands, two shapes: rows 0-1, 0-2, 3-19 and 1-129
+    against the same rows of a 130-row product. Where XLA:CPU switches kernels with M, or a kernel's remainder
+    path sums in another order, one of these differs (measured on an AVX2-only AMD EPYC: plain float32 dots of
+    fewer than about 61 rows). A few small compilations, once per process.
+    """
+    import numpy as np  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    cpu = jax.devices("cpu")[0]
+    nt = jax.jit(dot_nt_f32)
+    nn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32))
+    with jax.default_device(cpu):
+        for dtype in (F32, jnp.bfloat16):
+            for k, n in ((256, 200), (2048, 64)):
+                x = jnp.asarray(rng.standard_normal((130, k)), dtype)
+                w_nk = rng.standard_normal((n, k))
+                for dot, w in ((nt, jnp.asarray(w_nk, dtype)), (nn, jnp.asarray(np.ascontiguousarray(w_nk.T), dtype))):
+                    full = np.asarray(dot(x, w))
+                    for rows in (slice(0, 2), slice(0, 3), slice(3, 20), slice(1, 130)):
+                        if np.asarray(dot(x[rows], w)).tobytes() != full[rows].tobytes():
+                            return False
+    return True
