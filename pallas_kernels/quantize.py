@@ -3,7 +3,7 @@
     fp8_per_token_group(x, group_size=128, *, dtype, pow2_scale)  == precision.quantize_fp8_per_token_group
     fp8_per_block(w, (128, 128), *, dtype, pow2_scale)           == precision.quantize_fp8_per_block
     mxfp8(x, 32, *, dtype)                                       == precision.quantize_mxfp8
-    nvfp4(x, *, global_amax)                                     == precision.quantize_nvfp4 (four_over_six=False)
+    nvfp4(x, *, global_amax, impl)                               == precision.quantize_nvfp4 (four_over_six=False)
 
 Every function takes `interpret=True` to run on CPU (Mosaic GPU interpret mode; tests) and an optional
 `config=TileConfig(...)` (tile rows, pipeline stages, CTAs per SM, division instruction) for benchmarks.

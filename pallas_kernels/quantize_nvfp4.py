@@ -15,6 +15,7 @@ summation order the contract does not fix, so a bitwise match could not be promi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -437,20 +438,25 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
 # words; v7: v6 with the E2M1 magnitude on the FMA pipe; v8: v7 one 128-row slab per loop step (68 registers).
 IMPLS = ("v3", "v4", "v5", "v6", "v7", "v8", "v2", "v1")
 
-# The defaults, from the H200 runs of session 17 (results/quantize_nvfp4_v6..v8_h200.json, decision record 0006):
-# on 256 MiB inputs v6 with 768-row tiles at 3 CTAs per SM was the fastest bf16 kernel in every run (55-59 % of copy
-# bandwidth, against v3's 44-46 % at its 512-row default) and v7 with the same tiling the fastest float32 one (69-73 %).
-# Tall tiles leave few tiles per CTA on small tensors, where the 512-row, 2-CTA tiling was faster (32 MiB: v3 at 512
-# rows 17 %, v7 at 768 rows 12 %), so inputs of fewer than LARGE_ROWS 16-value rows keep it.
-LARGE_ROWS = 1 << 21
-LARGE_TILES = C.TileConfig(rows=768, ctas_per_sm=3)
+# The defaults, from the H200 runs of session 17 (decision record 0006): on the 256 MiB inputs v6 with 768-row tiles
+# at 3 CTAs per SM was the fastest bf16 kernel in every run (55-59 % of copy bandwidth; v3, the default before, 44-46 %)
+# and v7 with the same tiling the fastest float32 one within the runs' noise (66-73 %). On the 32 MiB bf16 input the
+# same tiling was also the fastest in the final same-run benchmark (17.8 %, v3 16.5 %; launch-bound there).
+DEFAULT_TILES = C.TileConfig(rows=768, ctas_per_sm=3)
 
 
-def default_impl_and_config(x) -> tuple[str, C.TileConfig]:
-    """The kernel version and tiling `nvfp4` uses when the caller names none (see LARGE_ROWS above)."""
-    impl = "v7" if jnp.dtype(x.dtype) == jnp.float32 else "v6"
-    rows = math.prod(x.shape[:-1]) * -(-x.shape[-1] // NVFP4_BLOCK)
-    return impl, (LARGE_TILES if rows >= LARGE_ROWS else C.TileConfig())
+def _default_tiles(groups: int, rows_per_expert: int) -> C.TileConfig:
+    """DEFAULT_TILES, with shorter tiles when per-expert global scales need tiles that divide an expert's rows (a
+    tile never straddles two global scales; otherwise each expert is quantized by its own launch)."""
+    if groups == 1 or rows_per_expert % DEFAULT_TILES.rows == 0:
+        return DEFAULT_TILES
+    rows = next((r for r in (512, 384, 256, 128) if rows_per_expert % r == 0), DEFAULT_TILES.rows)
+    return dataclasses.replace(DEFAULT_TILES, rows=rows)
+
+
+def default_impl(x) -> str:
+    """The kernel version `nvfp4` uses when the caller names none: v7 for float32 input, v6 otherwise."""
+    return "v7" if jnp.dtype(x.dtype) == jnp.float32 else "v6"
 
 
 @traced_once("four_over_six", "interpret", "config", "impl")
@@ -460,12 +466,11 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
 
     global_amax: None (the tensor's finite amax, one XLA reduction before the kernel), a scalar, or an
     array of shape x.shape[:1] (one per expert of a stack). Per-token scales are not supported here.
-    impl / config: a kernel version of IMPLS and its tiling; None picks the measured default for x's dtype and
-    size (`default_impl_and_config`). Every version returns the contract's bits.
+    impl / config: a kernel version of IMPLS and its tiling; None picks the measured defaults (`default_impl`,
+    DEFAULT_TILES). Every version returns the contract's bits.
     """
     x = jnp.asarray(x)
-    default_impl, default_config = default_impl_and_config(x) if x.ndim else ("v3", None)
-    impl = impl or default_impl
+    impl = impl or default_impl(x)
     if impl not in IMPLS:
         raise ValueError(f"nvfp4: impl must be one of {IMPLS}, got {impl!r}")
     if four_over_six:
@@ -489,10 +494,10 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
             "use a scalar or one value per leading slice (x.shape[:1])"
         )
     interpret = C.resolve_interpret(interpret)
-    cfg = config or default_config
     shape = global_amax.shape
+    rows_per_expert = math.prod(x.shape[1:-1]) * (-(-x.shape[-1] // NVFP4_BLOCK))
+    cfg = config or _default_tiles(groups, rows_per_expert)
     with C.interpret_context(interpret):
-        rows_per_expert = math.prod(x.shape[1:-1]) * (-(-x.shape[-1] // NVFP4_BLOCK))
         if groups > 1 and rows_per_expert % C.tile_rows(cfg, NVFP4_BLOCK):
             outs = [_quantize(x[i], global_amax[i].reshape(1), groups=1, cfg=cfg, interpret=interpret, impl=impl)
                     for i in range(groups)]

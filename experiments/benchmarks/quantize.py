@@ -144,7 +144,7 @@ def nvfp4_sweep(dtype) -> list:
     (Nsight Compute), so the configs trade rows per thread (ILP, registers, SMEM) against CTAs per SM.
     """
     T = Q.TileConfig
-    if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl_and_config), then what it replaced
+    if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, DEFAULT_TILES), then what it replaced
         return [(T(rows=768, ctas_per_sm=3), "v6"), (T(), "v3"), (T(), "v6"), (T(rows=768, ctas_per_sm=3), "v5"),
                 (T(rows=1024), "v7"), (T(rows=768, ctas_per_sm=3), "v7"), (T(rows=1024), "v8")]
     return [(T(rows=768, ctas_per_sm=3), "v7"), (T(), "v3"), (T(rows=768, ctas_per_sm=3), "v6"), (T(stages=4), "v7"),

@@ -222,6 +222,20 @@ def test_nvfp4_edge_cases_interpret(impl):
     assert_same(packed, rp, "packed")
 
 
+def test_nvfp4_default_tiles_divide_each_experts_rows():
+    """The default 768-row tiles shrink to a divisor of an expert's rows when each expert has its own global scale
+    (a tile never straddles two scales), so a stack stays one launch; the bits are the contract's either way."""
+    from pallas_kernels import quantize_nvfp4 as N
+
+    assert N._default_tiles(1, 1000).rows == 768 and N._default_tiles(8, 768 * 5).rows == 768
+    assert N._default_tiles(8, 4096 * 448).rows == 512 and N._default_tiles(2, 256).rows == 256
+    x = rand((2, 64, 64), 5, BF16, spread=False) * 3
+    gam = jnp.max(jnp.abs(x.astype(F32)).reshape(2, -1), axis=1)
+    for a, b, n in zip(Q.nvfp4(x, global_amax=gam, interpret=True), P.quantize_nvfp4(x, global_amax=gam),
+                       ("packed", "block scale", "global")):
+        assert_same(a, b, n)
+
+
 def test_nvfp4_unsupported_options_fail_clearly():
     x = jnp.ones((2, 32))
     with pytest.raises(NotImplementedError, match="four_over_six"):
