@@ -3,11 +3,8 @@
 #   bash experiments/h200_runs.sh tests      # every -m gpu test (kernels, ops, converters), one log
 #   bash experiments/h200_runs.sh gemm       # experiments/benchmarks/gemm.py: dense, MoE (fwd + wgrad), linear fwd+bwd
 #   bash experiments/h200_runs.sh breakdown  # FP8 linear fwd+bwd component times (incl. the GEMM tile variants)
-#   bash experiments/h200_runs.sh quantize   # quantize bandwidth: NVFP4 / MXFP8 v1 vs v2 configs, copy anchor
-#   bash experiments/h200_runs.sh nvfp4      # NVFP4 v4 / v5: their GPU bit tests first, then v3 / v4 / v5 timed in one
-#                                            # run (quantize.py A/B, copy anchor) and their SASS counts
-#   bash experiments/h200_runs.sh nvfp4_v8   # NVFP4 v8: its GPU bit tests, the NVFP4 config sweep (v3 .. v8), SASS, ncu
-#   bash experiments/h200_runs.sh final      # quantize GPU bit tests, the full quantize benchmark (all kernels), ncu of NVFP4
+#   bash experiments/h200_runs.sh quantize   # quantize GPU bit tests + the full quantize benchmark (every kernel, copy anchor)
+#   bash experiments/h200_runs.sh nvfp4      # NVFP4: GPU bit tests of every version, the version / tiling sweep, SASS, ncu
 #   bash experiments/h200_runs.sh decode     # embedded engine decode, BF16 vs FP8, batch 1 / 32 / 256, roofline
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
 #   bash experiments/h200_runs.sh curves     # recipe curves (short RL runs, identical seeds)
@@ -83,6 +80,17 @@ parallel() {
      $(find runs -name 'metrics.jsonl' 2>/dev/null) 2>/dev/null; ls -la parallel.tar.gz)
 }
 
+# ncu_nvfp4 IMPL ROWS CTAS: Nsight Compute of one NVFP4 call on the 256 MiB bf16 benchmark input
+# (experiments/benchmarks/profile_one.py), with per-SM active cycles; the report goes to $OUT/ncu_nvfp4_IMPL_rROWS_cCTAS.txt
+ncu_nvfp4() {
+  local rep="$OUT/ncu_nvfp4_$1_r$2_c$3.txt"
+  timeout 120 ncu --kernel-name regex:quantize_nvfp4 --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+      --section SchedulerStats --section WarpStateStats --section Occupancy --section ComputeWorkloadAnalysis \
+      --section LaunchStats --metrics sm__cycles_active.min,sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_elapsed.max \
+      $PY experiments/benchmarks/profile_one.py --impl "$1" --rows "$2" --ctas-per-sm "$3" > "$rep" 2>&1
+  grep -E "sm__cycles|Registers Per|Achieved Active|Issue Slots Busy|Executed Ipc A|Duration|pipeline" "$rep" | head -12
+}
+
 case "${1:-}" in
   parallel) parallel "${2:-540}" ;;
   invariance) $PY experiments/checks/row_invariance.py --out "$OUT/row_invariance_h200.json" 2>&1 | quiet | tee "$OUT/invariance.log" ;;
@@ -90,39 +98,25 @@ case "${1:-}" in
   tests) $PY -m pytest -v -m gpu tests -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
   gemm) $PY experiments/benchmarks/gemm.py --out "$OUT/gemm_h200.json" 2>&1 | quiet | tee "$OUT/gemm.log" ;;
   breakdown) $PY experiments/benchmarks/linear_breakdown.py --out "$OUT/linear_breakdown_h200.json" 2>&1 | quiet | tee "$OUT/breakdown.log" ;;
-  nvfp4)
-    $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider \
-        -k "reciprocal or markstein or nvfp4" 2>&1 | tee "$OUT/nvfp4_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
-    $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" 2>&1 \
-        | quiet | tee "$OUT/quantize_nvfp4.log"
-    $PY experiments/benchmarks/sass.py --variants nvfp4_v3,nvfp4_v4,nvfp4_v4_f32,nvfp4_v5 --out "$OUT/sass_nvfp4_h200.json" 2>&1 \
-        | quiet | tail -20 ;;
-  nvfp4_v8)  # v8's GPU bit tests, the NVFP4 A/B sweep (quantize.py --kernels nvfp4), SASS, Nsight Compute of one config
-    $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider -k "nvfp4 and v8" 2>&1 \
-        | tee "$OUT/nvfp4_v8_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
-    $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" 2>&1 \
-        | quiet | tee "$OUT/quantize_nvfp4.log"
-    $PY experiments/benchmarks/sass.py --variants nvfp4_v8,nvfp4_v8_f32 --out "$OUT/sass_nvfp4_h200.json" 2>&1 | quiet | tail -6
-    timeout 120 ncu --kernel-name regex:quantize_nvfp4 --launch-skip 1 --launch-count 1 --section SpeedOfLight \
-        --section SchedulerStats --section WarpStateStats --section Occupancy --section ComputeWorkloadAnalysis \
-        --section LaunchStats $PY experiments/benchmarks/profile_one.py --impl v8 --rows ${NCU_ROWS:-512} \
-        --ctas-per-sm ${NCU_CTAS:-4} > "$OUT/ncu_nvfp4_v8.txt" 2>&1
-    grep -E "Registers Per|Achieved Active|Issue Slots Busy|Executed Ipc A|Duration|pipeline|SM Active" "$OUT/ncu_nvfp4_v8.txt" | head -9 ;;
-  final)  # the quantize GPU bit tests (all but the NVFP4 versions that are not defaults), the full benchmark of every
-          # kernel against one copy anchor, and an Nsight Compute profile of the NVFP4 default with per-SM active cycles
+  nvfp4)  # NVFP4: every version's GPU bit tests, the version / tiling sweep against the copy anchor, SASS of v6-v8, and
+          # Nsight Compute of the default (per-SM active cycles: how evenly the persistent grid loads the SMs)
+    timeout 240 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider \
+        -k "reciprocal or markstein or nvfp4" 2>&1 | tee "$OUT/nvfp4_gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed"
+    timeout 200 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" \
+        2>&1 | quiet | tee "$OUT/quantize_nvfp4.log"
+    timeout 90 $PY experiments/benchmarks/sass.py --variants nvfp4_v6,nvfp4_v7,nvfp4_v8,nvfp4_v7_f32 \
+        --out "$OUT/sass_nvfp4_h200.json" 2>&1 | quiet | tail -10
+    ncu_nvfp4 v6 768 3 ;;
+  quantize)  # the quantize GPU bit tests (NVFP4: the default versions) and the full benchmark of every kernel against
+             # one copy anchor (results/quantize_h200.json), then Nsight Compute of the NVFP4 default
     timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider -k "not nvfp4 or v6 or v7" \
         2>&1 | tee "$OUT/quantize_gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed"
     timeout 300 $PY experiments/benchmarks/quantize.py --out "$OUT/quantize_h200.json" 2>&1 | quiet | tee "$OUT/quantize.log"
-    timeout 100 ncu --kernel-name regex:quantize_nvfp4 --launch-skip 1 --launch-count 1 --section SpeedOfLight \
-        --section SchedulerStats --section WarpStateStats --section Occupancy --section LaunchStats \
-        --metrics sm__cycles_active.min,sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_elapsed.max \
-        $PY experiments/benchmarks/profile_one.py --impl v6 --rows 768 --ctas-per-sm 3 > "$OUT/ncu_nvfp4_v6_r768_c3.txt" 2>&1
-    grep -E "sm__cycles|Registers Per|Achieved Active|Issue Slots|Duration" "$OUT/ncu_nvfp4_v6_r768_c3.txt" | head -10 ;;
-  quantize) $PY experiments/benchmarks/quantize.py --kernels nvfp4,mxfp8 --no-anchor-torch --out "$OUT/quantize_h200.json" 2>&1 | quiet | tee "$OUT/quantize.log" ;;
+    ncu_nvfp4 v6 768 3 ;;
   decode) $PY experiments/benchmarks/decode.py --batches 1,32,256 --gen-len 64 --repeats 2 --out "$OUT/decode_h200.json" 2>&1 | quiet | tee "$OUT/decode.log" ;;
   mismatch) $PY experiments/mismatch_study.py --sizes "${2:?size name, e.g. moe-60M}" --num-prompts 128 --max-new-tokens 64 \
               --append --out "$OUT/mismatch_h200" --compile-cache /tmp/jax_cache --no-progress 2>&1 | tail -20 ;;
   curves) $PY experiments/recipe_curves.py --steps 100 --set data.prompts_per_step=64 --out "$OUT/recipe_curves_h200" \
               --runs-dir "$OUT/runs" --overwrite 2>&1 | tail -20 ;;
-  *) sed -n 2,15p "$0"; exit 2 ;;
+  *) sed -n 2,13p "$0"; exit 2 ;;
 esac

@@ -178,7 +178,8 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
       dependent instructions with two warps per scheduler. So: each word's magnitudes are summed as a tree
       (C.e2m1_word_tree; depth 3 instead of a running sum of 8), its signs come as one word (bf16 input: four
       byte permutes of the raw bf16x2 registers, C.sign_word_bf16, instead of a shift and a masked OR per value),
-      and the rows' chains run two rows at a time instead of all at once (fewer registers, so a third CTA fits).
+      and the rows' chains run two rows at a time instead of all at once (meant to free registers for a third CTA;
+      ptxas still allocated 158, as for v5).
     value_form "v7" (impl "v7"): v6 with the E2M1 magnitude mostly on the FMA pipe (C.e2m1_word_min3: three fmas and
       three float mins per value instead of five ALU instructions and one fma, codes put into the word by IMAD).
       Nsight Compute showed the ALU pipe as v5's busiest (66 %); it issues at half the FMA pipe's rate.
@@ -295,7 +296,8 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
 def _v2_interpret(x, g, value_form: str = "v2", in_dtype=jnp.float32):
     """Interpret-mode body: the same steps as `_v2_gpu` in jnp (x [tr, 16] float32, g scalar). The divisions are
     XLA:CPU's IEEE ones (the GPU's Markstein forms are checked against them separately); value_form "v4" / "v5"
-    runs C.e2m1_word, the formula their GPU bodies run."""
+    runs C.e2m1_word, "v6" / "v7" C.e2m1_word_tree / C.e2m1_word_min3 with the same sign words, the formulas their
+    GPU bodies run (in_dtype bfloat16: the signs gathered from bf16x2 words, as on the GPU)."""
     o = C.JnpOps
     bamax = jnp.max(C.abs_for_amax(x, C.INTERPRET), axis=1)
     bamax = jnp.where(bamax <= C.F32_MAX, bamax, jnp.nan)

@@ -1,8 +1,15 @@
 """Shared pytest set-up: GPU-marked tests skip (with the reason) when no CUDA device is visible."""
 
 import os
+import tempfile
 
 import pytest
+
+# One persistent compilation cache for the whole run, shared by the xdist workers and the training processes the
+# tests start (they inherit the environment): the tiny model's programs are compiled once, not once per process
+# (a SIGKILL-and-resume test runs the same training three times). Keys hash the program, options and versions.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"jaxrl_fp8_tests_jax_cache_{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jaxrl_fp8  # noqa: F401  (first: sets the XLA flags of the precision contract before JAX starts)
 
@@ -29,6 +36,9 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # files with end-to-end (slow) tests first, so the two xdist workers (one file at a time) do not end on one of them
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)
     invariant = [item for item in items if "row_invariant_cpu" in item.keywords]
     if invariant:
         from jaxrl_fp8.ops.xla_gemm import cpu_dots_row_invariant

@@ -27,6 +27,7 @@ def test_notebook_is_stripped(path):
     assert path.stat().st_size < 60_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.delenv("JAXRL_WORKDIR", raising=False)  # notebook 03 then trains its own tiny run

@@ -128,6 +128,7 @@ def test_bf16_train_fp8_rollout_mismatch_is_real():
     assert (diffs > 0).mean() > 0.5  # nearly every token differs, not a fluke
 
 
+@pytest.mark.slow
 def test_split3_router_and_head_keep_rollout_equal_trainer_bitwise(monkeypatch):
     """The candidate GPU fix for row invariance (ops.high_precision "split3": router and lm_head on the Pallas BF16
     kernel, interpreted here) keeps the unified rollout bitwise with the trainer. Own shapes: traced programs
