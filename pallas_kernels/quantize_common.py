@@ -797,7 +797,7 @@ def sign_word_bf16(raw_words, ops):
 
 
 # ------------------------------------------------------------------------------------- NVFP4 v7 form
-# The v6 word with the E2M1 magnitude computed mostly on the FMA pipe. Nsight Compute on the H200 (session 17) showed
+# The v6 word with the E2M1 magnitude computed mostly on the FMA pipe. Nsight Compute on the H200 (session 18) showed
 # the integer / logic ALU as the busiest pipe (66 %) of the v5 kernel: it issues at half the rate of the FMA pipe, and
 # v4's magnitude formula spends 5 of its 6 instructions there (two float min/max, an and, an add, a shift-add).
 #

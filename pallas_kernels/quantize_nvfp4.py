@@ -174,7 +174,7 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
       a Markstein correction, the all-ones significand by its closed form) instead of div.rn.f32, so no row's
       chain has a branch: v3 removed two of the three per-row div.rn for that reason; this removes the third.
     value_form "v6" (impl "v6"): v5 with shorter dependency chains and fewer live registers, same bits. v4 and v5
-      ran slower per instruction than v3 on the H200 (session 17: fewer instructions, no faster), i.e. they wait on
+      ran slower per instruction than v3 on the H200 (session 18: fewer instructions, no faster), i.e. they wait on
       dependent instructions with two warps per scheduler. So: each word's magnitudes are summed as a tree
       (C.e2m1_word_tree; depth 3 instead of a running sum of 8), its signs come as one word (bf16 input: four
       byte permutes of the raw bf16x2 registers, C.sign_word_bf16, instead of a shift and a masked OR per value),
@@ -440,7 +440,7 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
 # words; v7: v6 with the E2M1 magnitude on the FMA pipe; v8: v7 one 128-row slab per loop step (68 registers).
 IMPLS = ("v3", "v4", "v5", "v6", "v7", "v8", "v2", "v1")
 
-# The defaults, from the H200 runs of session 17 (decision record 0006): on the 256 MiB inputs v6 with 768-row tiles
+# The defaults, from the H200 runs of session 18 (decision record 0006): on the 256 MiB inputs v6 with 768-row tiles
 # at 3 CTAs per SM was the fastest bf16 kernel in every run (55-59 % of copy bandwidth; v3, the default before, 44-46 %)
 # and v7 with the same tiling the fastest float32 one within the runs' noise (66-73 %). On the 32 MiB bf16 input the
 # same tiling was also the fastest in the final same-run benchmark (17.8 %, v3 16.5 %; launch-bound there).
