@@ -811,7 +811,8 @@ def sign_word_bf16(raw_words, ops):
 # and min(C_-1, C_0, C_1, 2^23 + 7) is 2^23 + code exactly, so its bits are 0x4B000000 + code: three float mins
 # (ALU) and three fmas (FMA pipe) instead of five ALU instructions and one fma. PTX min.f32 returns the non-NaN
 # operand, so a NaN y (the Markstein quotient past float32 max, as the contract's +-inf) gives 7; inf gives 7.
-# Checked against the contract's threshold count for all 2^32 float32 y (tests/pallas_kernels/test_quantize.py).
+# Checked against the contract's threshold count for all 2^32 float32 y (experiments/checks/nvfp4_v4_formulas.py
+# --part e2m1; its quick subset runs in tests/pallas_kernels/test_nvfp4_v4_formulas.py).
 # The biased codes go into the word by mad.lo (IMAD, FMA pipe) in a tree; the bias leaves once per word.
 
 E2M1_MIN3_BIAS = 0x4B000000

@@ -4,8 +4,8 @@
         [--kernels mxfp8,nvfp4] [--no-anchor-torch]
 
 With --kernels limited to nvfp4 and/or mxfp8 (e.g. `--kernels nvfp4,mxfp8 --no-anchor-torch --out /tmp/x.json`)
-only the 256 MiB cases run, each kernel as impl v1 (the first kernel) and v2 (row per thread / bit tricks),
-default tiling, so old and new are timed side by side against the same-run copy anchor (about 2 minutes).
+only the 256 MiB cases run: MXFP8 as impl v1 and v2, NVFP4 as the versions and tilings of `nvfp4_sweep` (the default
+first), so old and new are timed side by side against the same-run copy anchor (about 2 minutes).
 
 For each kernel and shape: median time per call, bytes moved (each input read once, each output written
 once), GB/s, and that bandwidth as a percentage of the copy measured in the same process (XLA copy of a
@@ -136,12 +136,9 @@ KERNELS = ("fp8_per_token_group", "mxfp8", "fp8_per_block", "nvfp4")
 
 
 def nvfp4_sweep(dtype) -> list:
-    """(TileConfig, impl) pairs timed for NVFP4 on a 256 MiB input of `dtype`, oldest kernel first.
-
-    v3: v2 with branch-free per-row divisions; v4: one Markstein correction per division and the E2M1 word formula;
-    v5: v4 with a branch-free per-row RN(1/d); v6: v5 with tree sums and sign words; v7: v6 with the E2M1 magnitude
-    on the FMA pipe (quantize_nvfp4._v2_gpu); v8: v7 one 128-row slab per loop step (fewer registers, more CTAs). The kernels are issue- and latency-bound at 2 warps per scheduler
-    (Nsight Compute), so the configs trade rows per thread (ILP, registers, SMEM) against CTAs per SM.
+    """(TileConfig, impl) pairs timed for NVFP4 on a 256 MiB input of `dtype`: the default first, then the old default
+    (v3) and the best tiling each later version reached on the H200 (versions: quantize_nvfp4.IMPLS; measurements:
+    docs/decisions/0006).
     """
     T = Q.TileConfig
     if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, DEFAULT_TILES), then what it replaced
@@ -152,7 +149,7 @@ def nvfp4_sweep(dtype) -> list:
 
 
 def ab_cases(kernels):
-    """v1 vs v2 (vs v3 .. v6 for NVFP4) of NVFP4 and MXFP8 on the >= 256 MiB inputs: (name, shape, dtype, kernel fn, XLA fn, [(cfg, impl)])."""
+    """MXFP8 v1 vs v2 and the NVFP4 sweep on the 256 MiB inputs: (name, shape, dtype, kernel fn, XLA fn, [(cfg, impl)])."""
     T = Q.TileConfig
     bf16, f32 = jnp.bfloat16, jnp.float32
     g = 4.0
@@ -182,7 +179,7 @@ def cases(quick: bool, kernels=KERNELS):
     mx = (lambda x, cfg: Q.mxfp8(x, config=cfg), jax.jit(P.quantize_mxfp8))
     blk = (lambda x, cfg: Q.fp8_per_block(x, config=cfg), jax.jit(P.quantize_fp8_per_block))
     g = 4.0  # a given global amax (the kernel path the rollout uses)
-    # (TileConfig, impl) pairs: impl v2 .. v7 divide with Markstein only, so the division variants time v1
+    # (TileConfig, impl) pairs: impl v2 .. v8 divide with Markstein only, so the division variants time v1
     nv = (lambda x, ci: Q.nvfp4(x, global_amax=g, config=ci[0], impl=ci[1]),
           jax.jit(lambda x: P.quantize_nvfp4(x, global_amax=g)))
     nv_div = [(T(division="div_rn"), "v1"), (T(division="divf"), "v1")]

@@ -481,7 +481,7 @@ def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
 @pytest.mark.parametrize("impl", ["v2", "v3", "v4", "v5", "v6", "v7", "v8"])
 @pytest.mark.parametrize("in_dtype", [F32, BF16])
 def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype, impl):
-    """The v2 .. v5 kernels on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack;
+    """The v2 .. v8 kernels on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack;
     v3 also on blocks whose (amax / 6) / g overflows float32 (its Markstein guard) while x / d does not."""
     x = _nvfp4_boundary_input(256).astype(in_dtype)
     for gam in (6.0 * 448.0, None, 3.0):

@@ -9,10 +9,11 @@ Row invariance: every product is a fixed-shape dot over one 128-wide K block and
 accumulated in a fixed sequential order (a scan), so one row's result never depends on the other rows.
 XLA:CPU's matrix-vector path (M == 1) sums in another order than its matrix-matrix path, so a lone row is
 padded to two rows (measured: M >= 2 gives identical rows for every M tried, M == 1 does not).
-That last measurement is a property of the host, not of XLA: on an AVX2-only AMD EPYC (session 18) XLA:CPU takes a
-library kernel (YNNPACK) for float32 dots from about 61 rows and another below, and Eigen's remainder kernels change
-the sums with M, so rows differ in the last bits with M. `cpu_dots_row_invariant` measures it; the CPU tests that
-assert bitwise row invariance run only where it holds (tests/conftest.py, marker `row_invariant_cpu`).
+This module's own products stayed row invariant on every host tried, but XLA:CPU's dots in general are a property of
+the host: on an AVX2-only AMD EPYC (session 18) a plain float32 [M, K] . [K, N] dot of fewer than about 61 rows gives
+other last bits than the same rows in a larger product (turning off XLA's YNNPACK dot fusion changed which cases
+differ, so kernel choice by size is the likely cause; not established). `cpu_dots_row_invariant` measures the host;
+the four CPU tests that compare such products across M run only where it holds (marker `row_invariant_cpu`).
 """
 
 from __future__ import annotations
