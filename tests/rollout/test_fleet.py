@@ -129,11 +129,36 @@ def test_least_outstanding_balancing_uses_every_server():
             s.shutdown()
 
 
+class GatedEngine(FakeEngine):
+    """Blocks its `block_at`-th batch until `gate` opens, so a test can pause while requests are queued."""
+
+    def __init__(self, block_at: int, **kw):
+        super().__init__(**kw)
+        self.block_at, self.calls = block_at, 0
+        self.blocked, self.gate = threading.Event(), threading.Event()
+
+    def generate(self, prompts, sampling, *, return_routed_experts=False):
+        self.calls += 1
+        if self.calls == self.block_at:
+            self.blocked.set()
+            assert self.gate.wait(30), "test never opened the gate"
+        return super().generate(prompts, sampling, return_routed_experts=return_routed_experts)
+
+
+def wait_for(condition, what, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
 def test_weight_push_mid_rollout_never_mixes_versions(tmp_path):
+    """Deterministic interleaving: each server runs two batches at v0, blocks in its third with requests
+    queued behind it, the push pauses (abort mode answers the queued ones), then the batch finishes at v0
+    and everything after it - the aborted requests re-sent - runs at v1."""
     table1 = make_table(11)
     ckpt1 = write_checkpoint(str(tmp_path / "step1.npz"), table1)
-    engines = [FakeEngine(step_delay_s=0.01) for _ in range(2)]
-    # Small batches so that requests queue up behind the running batch and get aborted by the pause.
+    engines = [GatedEngine(block_at=3, step_delay_s=0.002) for _ in range(2)]
     servers = [start_in_thread(e, config=ServerConfig(max_batch_prompts=2, max_prompts_per_request=2)) for e in engines]
     try:
         with SGLangFleet([s.url for s in servers], config=QUICK, current_checkpoint=None) as fleet:
@@ -142,19 +167,26 @@ def test_weight_push_mid_rollout_never_mixes_versions(tmp_path):
             out = {}
             t = threading.Thread(target=lambda: out.setdefault("samples", fleet.generate(prompts, sampling)))
             t.start()
-            deadline = time.monotonic() + 20
-            while sum(fleet.last_stats.completed_per_server.values()) < 4:  # mid-rollout, queues full
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-            fleet.update_weights_from_disk(ckpt1, "v1")
+            for e, s in zip(engines, servers):
+                wait_for(lambda: e.blocked.is_set() and s.batcher.queued_prompts >= 1, f"a queue behind {s.url}")
+            push = threading.Thread(target=fleet.update_weights_from_disk, args=(ckpt1, "v1"))
+            push.start()
+            for e, s in zip(engines, servers):  # the pause has answered the queued requests with "abort"
+                wait_for(lambda: e.paused and s.batcher.queued_prompts == 0, f"the pause of {s.url}")
+            for e in engines:
+                e.gate.set()
+            push.join(30)
+            assert not push.is_alive()
             t.join(30)
             stats = fleet.last_stats
         samples = out["samples"]
         assert {s.weight_version for s in samples} == {"v0", "v1"}
         check_against_reference(samples, prompts, sampling, {"v0": make_table(0), "v1": table1})
-        assert stats.resent_after_abort >= 1, stats
+        assert stats.resent_after_abort >= 2, stats  # at least one queued request per server
         assert [e.weight_version for e in engines] == ["v1", "v1"] and not any(e.paused for e in engines)
     finally:
+        for e in engines:
+            e.gate.set()
         for s in servers:
             s.shutdown()
 

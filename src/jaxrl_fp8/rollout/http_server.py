@@ -320,6 +320,12 @@ class _Batcher:
             self._queue.append(job)
             self._cond.notify_all()
 
+    @property
+    def queued_prompts(self) -> int:
+        """Prompts waiting behind the running batch (the ones an abort-mode pause would answer)."""
+        with self._cond:
+            return sum(j.num_prompts for j in self._queue)
+
     def abort_queued(self, message: str) -> int:
         with self._cond:
             jobs, self._queue = self._queue, []
