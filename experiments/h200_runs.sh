@@ -5,6 +5,7 @@
 #   bash experiments/h200_runs.sh breakdown  # FP8 linear fwd+bwd component times (incl. the GEMM tile variants)
 #   bash experiments/h200_runs.sh quantize   # quantize GPU bit tests + the full quantize benchmark (every kernel, copy anchor)
 #   bash experiments/h200_runs.sh nvfp4      # NVFP4: GPU bit tests of every version, the version / tiling sweep, SASS, ncu
+#   bash experiments/h200_runs.sh schedule   # static vs dynamic tile schedule: its GPU bit tests, NVFP4 sweep, ncu SM balance
 #   bash experiments/h200_runs.sh decode     # embedded engine decode, BF16 vs FP8, batch 1 / 32 / 256, roofline
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
 #   bash experiments/h200_runs.sh curves     # recipe curves (short RL runs, identical seeds)
@@ -80,14 +81,15 @@ parallel() {
      $(find runs -name 'metrics.jsonl' 2>/dev/null) 2>/dev/null; ls -la parallel.tar.gz)
 }
 
-# ncu_nvfp4 IMPL ROWS CTAS: Nsight Compute of one NVFP4 call on the 256 MiB bf16 benchmark input
-# (experiments/benchmarks/profile_one.py), with per-SM active cycles; the report goes to $OUT/ncu_nvfp4_IMPL_rROWS_cCTAS.txt
+# ncu_nvfp4 IMPL ROWS CTAS [SCHEDULE]: Nsight Compute of one NVFP4 call on the 256 MiB bf16 benchmark input
+# (experiments/benchmarks/profile_one.py), with per-SM active cycles; the report goes to
+# $OUT/ncu_nvfp4_IMPL_rROWS_cCTAS[_dynamic].txt
 ncu_nvfp4() {
-  local rep="$OUT/ncu_nvfp4_$1_r$2_c$3.txt"
+  local sched="${4:-static}" rep="$OUT/ncu_nvfp4_$1_r$2_c$3$([ "${4:-static}" = static ] || echo "_$4").txt"
   timeout 120 ncu --kernel-name regex:quantize_nvfp4 --launch-skip 1 --launch-count 1 --section SpeedOfLight \
       --section SchedulerStats --section WarpStateStats --section Occupancy --section ComputeWorkloadAnalysis \
       --section LaunchStats --metrics sm__cycles_active.min,sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_elapsed.max \
-      $PY experiments/benchmarks/profile_one.py --impl "$1" --rows "$2" --ctas-per-sm "$3" > "$rep" 2>&1
+      $PY experiments/benchmarks/profile_one.py --impl "$1" --rows "$2" --ctas-per-sm "$3" --schedule "$sched" > "$rep" 2>&1
   grep -E "sm__cycles|Registers Per|Achieved Active|Issue Slots Busy|Executed Ipc A|Duration|pipeline" "$rep" | head -12
 }
 
@@ -107,6 +109,18 @@ case "${1:-}" in
     timeout 90 $PY experiments/benchmarks/sass.py --variants nvfp4_v6,nvfp4_v7,nvfp4_v8,nvfp4_v7_f32 \
         --out "$OUT/sass_nvfp4_h200.json" 2>&1 | quiet | tail -10
     ncu_nvfp4 v6 768 3 ;;
+  schedule)  # TileConfig(schedule="dynamic"): its GPU bit tests (every kernel), the NVFP4 sweep (static and dynamic,
+             # 2 and 3 CTAs/SM), then Nsight Compute's per-SM active cycles of v6 at 768 rows for each pairing
+    # a failing or hanging dynamic kernel stops the stage here (the sweep would hang on it too)
+    if timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize_schedule.py -p no:cacheprovider \
+        > "$OUT/schedule_gpu_tests.log" 2>&1; then
+      grep -E "passed|failed" "$OUT/schedule_gpu_tests.log"
+      timeout 200 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" \
+          2>&1 | quiet | tee "$OUT/quantize_nvfp4.log"
+      for c in 2 3; do for s in static dynamic; do ncu_nvfp4 v6 768 $c $s; done; done
+    else
+      echo "schedule GPU tests failed or timed out:"; grep -E "FAILED|ERROR|Error|passed|failed" "$OUT/schedule_gpu_tests.log" | head -30
+    fi ;;
   quantize)  # the quantize GPU bit tests (NVFP4: the default versions) and the full benchmark of every kernel against
              # one copy anchor (results/quantize_h200.json), then Nsight Compute of the NVFP4 default
     timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider -k "not nvfp4 or v6 or v7" \

@@ -359,7 +359,7 @@ def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, *, rows_per_
         return
     layout, group = C.row_layout(NVFP4_BLOCK, in_dtype), group.astype(jnp.int32)
     if not slab_loop:
-        x = plgpu.load(x_ref, (), layout=layout)
+        x = plgpu.load(x_ref, layout=layout)
         _v2_gpu(x, amax, group, packed_ref, bs_ref, g_gmem, in_dtype=in_dtype, branch_free_rows=branch_free_rows,
                 value_form=value_form)
         return
@@ -369,7 +369,7 @@ def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, *, rows_per_
     @pl.loop(0, tr // C.SLAB_ROWS)
     def _slab(j):
         r0 = pl.multiple_of(j * C.SLAB_ROWS, C.SLAB_ROWS)
-        xs = plgpu.load(x_ref.at[pl.ds(r0, C.SLAB_ROWS)], (), layout=layout)
+        xs = plgpu.load(x_ref.at[pl.ds(r0, C.SLAB_ROWS)], layout=layout)
         _v2_gpu(xs, amax, group, packed_ref.at[pl.ds(r0 * half, C.SLAB_ROWS * half)],
                 bs_ref.at[pl.ds(r0, C.SLAB_ROWS)], g_gmem, in_dtype=in_dtype, branch_free_rows=True,
                 value_form=value_form, scalars=scalars)

@@ -142,10 +142,13 @@ def nvfp4_sweep(dtype) -> list:
     """
     T = Q.TileConfig
     if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, DEFAULT_TILES), then what it replaced
-        return [(T(rows=768, ctas_per_sm=3), "v6"), (T(), "v3"), (T(), "v6"), (T(rows=768, ctas_per_sm=3), "v5"),
-                (T(rows=1024), "v7"), (T(rows=768, ctas_per_sm=3), "v7"), (T(rows=1024), "v8")]
-    return [(T(rows=768, ctas_per_sm=3), "v7"), (T(), "v3"), (T(rows=768, ctas_per_sm=3), "v6"), (T(stages=4), "v7"),
-            (T(rows=768, ctas_per_sm=3), "v8")]
+        return [(T(rows=768, ctas_per_sm=3), "v6"), (T(), "v3"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v6"),
+                (T(rows=768, ctas_per_sm=2), "v6"), (T(rows=768, ctas_per_sm=2, schedule="dynamic"), "v6"),
+                (T(rows=512, ctas_per_sm=3, schedule="dynamic"), "v6"), (T(rows=1024, schedule="dynamic"), "v5"),
+                (T(rows=1024), "v7"), (T(rows=1024), "v8")]
+    return [(T(rows=768, ctas_per_sm=3), "v7"), (T(), "v3"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v7"),
+            (T(rows=512, stages=4), "v7"), (T(rows=512, stages=4, schedule="dynamic"), "v7"),
+            (T(rows=768, ctas_per_sm=3), "v6")]
 
 
 def ab_cases(kernels):
@@ -170,10 +173,12 @@ def cases(quick: bool, kernels=KERNELS):
     if set(kernels) <= {"nvfp4", "mxfp8"} and not quick:
         return ab_cases(kernels)
     T = Q.TileConfig
-    tok_cfgs = [T(), T(stages=4), T(rows=128, ctas_per_sm=1), T(division="div_rn"), T(division="divf")]
-    tok_f32 = [T(), T(stages=4)]
-    mx_cfgs = [T(), T(stages=4), T(division="divf")]
-    blk_cfgs = [T(), T(stages=4, ctas_per_sm=1), T(division="div_rn"), T(division="divf")]
+    dyn = T(schedule="dynamic")
+    tok_cfgs = [T(), dyn, T(stages=4), T(rows=128, ctas_per_sm=1), T(division="div_rn"), T(division="divf")]
+    tok_f32 = [T(), dyn, T(stages=4)]
+    mx_cfgs = [T(), dyn, T(stages=4), T(division="divf")]
+    blk_cfgs = [T(), dyn, T(stages=4, ctas_per_sm=1), T(stages=4, ctas_per_sm=1, schedule="dynamic"),
+                T(division="div_rn"), T(division="divf")]
     bf16, f32 = jnp.bfloat16, jnp.float32
     tok = (lambda x, cfg: Q.fp8_per_token_group(x, config=cfg), jax.jit(P.quantize_fp8_per_token_group))
     mx = (lambda x, cfg: Q.mxfp8(x, config=cfg), jax.jit(P.quantize_mxfp8))
@@ -190,7 +195,7 @@ def cases(quick: bool, kernels=KERNELS):
         ("mxfp8", (32768, 4096), bf16, *mx, mx_cfgs),
         ("mxfp8", (4096, 4096), bf16, *mx, mx_cfgs[:1]),
         ("fp8_per_block", (64, 1536, 2048), bf16, *blk, blk_cfgs),
-        ("fp8_per_block", (8192, 8192), f32, *blk, blk_cfgs[:1]),
+        ("fp8_per_block", (8192, 8192), f32, *blk, blk_cfgs[:2]),
         ("fp8_per_block", (4096, 4096), bf16, *blk, blk_cfgs[:1]),
         ("nvfp4", (32768, 4096), bf16, *nv, nvfp4_sweep(bf16) + nv_div),
         ("nvfp4", (8192, 8192), f32, *nv, nvfp4_sweep(f32)),
@@ -206,7 +211,8 @@ def config_dict(cfg) -> dict:  # rows None = the kernel's default (8192 // group
     impl = None
     if isinstance(cfg, tuple):  # (TileConfig, impl) from ab_cases
         cfg, impl = cfg
-    d = {"rows": cfg.rows, "stages": cfg.stages, "ctas_per_sm": cfg.ctas_per_sm, "division": cfg.division}
+    d = {"rows": cfg.rows, "stages": cfg.stages, "ctas_per_sm": cfg.ctas_per_sm, "division": cfg.division,
+         "schedule": cfg.schedule}
     if impl is not None:
         d["impl"] = impl
     return d
@@ -252,7 +258,8 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True)
                 row = {**base, "impl": "pallas", "config": config_dict(cfg), "error": repr(e)[:500]}
             rows.append(row)
             c = row["config"]
-            tag = f"r{c['rows'] or 'auto'} s{c['stages']} c{c['ctas_per_sm']} {c['division']} {c.get('impl', '')}"
+            tag = (f"r{c['rows'] or 'auto'} s{c['stages']} c{c['ctas_per_sm']} {c['division']} {c.get('impl', '')}"
+                   + (" dyn" if c["schedule"] == "dynamic" else ""))
             if "error" in row:
                 print(f"{name:20s} {str(shape):18s} pallas {tag}: ERROR {row['error'][:300]}", flush=True)
             else:
