@@ -354,28 +354,60 @@ def run_persistent(body, *, ntiles: int, nct: int, stages: int, ins, outs, barri
     plgpu.wait_smem_to_gmem(0)
 
 
-def _publish_next_tile(counter_gmem, id_smem, first: int):
-    """One thread of the CTA takes a ticket from the GMEM counter and writes tile `first + ticket` to id_smem[0].
+_TICKET_LAYOUT = plgpu.Layout.WG_SPLAT((128,))  # one i32 register per thread; only thread 0's holds the ticket
 
-    Only that thread (warp 0's elected lane, the one Mosaic issues TMA from) and, after the warp barrier here,
-    the rest of warp 0 read the slot before the next CTA-wide barrier; other warps read it a pipeline step later.
+
+def _take_ticket(counter_gmem):
+    """Thread 0 of the CTA issues an atomic add on the GMEM counter; returns its ticket (valid in thread 0 only).
+
+    The atomic is predicated, not branched around, so no join copies the result: thread 0 waits for it only
+    where `_publish_tile` stores it, a whole tile of work later.
     """
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def publish(ctx, counter, slot):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((128,), jnp.int32, _TICKET_LAYOUT))
+    def take(ctx, counter):
+        del ctx
+        from jax.experimental.mosaic.gpu import fragmented_array as fa, utils as mgpu_utils  # noqa: PLC0415
+        from jaxlib.mlir import ir  # noqa: PLC0415
+        from jaxlib.mlir.dialects import arith, llvm  # noqa: PLC0415
+
+        i32 = ir.IntegerType.get_signless(32)
+        first_thread = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(),
+                                                   arith.constant(i32, 0)))
+        ticket = llvm.inline_asm(
+            i32, [mgpu_utils.memref_ptr(counter), first_thread],
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p atom.add.u32 $0, [$1], 1; }", "=r,l,r",
+            has_side_effects=True)
+        return fa.FragmentedArray.splat(ticket, (128,), layout=_TICKET_LAYOUT.to_mgpu(), is_signed=True)
+
+    return take(counter_gmem)
+
+
+def _publish_tile(ticket, id_smem, first: int):
+    """Thread 0 writes tile `first + ticket` to id_smem[0]; then warp 0 agrees on it (bar.warp.sync).
+
+    The TMA load of that tile is issued from warp 0, inside a `pl.when` on the value read back: a warp must not
+    diverge around Mosaic's `elect.sync`. The other warps read the slot only after the next CTA-wide barrier.
+    """
+
+    @plgpu.inline_mgpu(arg_types=(_TICKET_LAYOUT, plgpu.RefType()))
+    def publish(ctx, ticket, slot):
         del ctx
         from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
         from jaxlib.mlir import ir  # noqa: PLC0415
-        from jaxlib.mlir.dialects import arith, llvm, memref  # noqa: PLC0415
+        from jaxlib.mlir.dialects import arith, llvm, memref, scf  # noqa: PLC0415
 
         i32 = ir.IntegerType.get_signless(32)
-        with mgpu_utils.single_thread(mgpu_utils.ThreadSubset.BLOCK):
-            ticket = llvm.atomicrmw(llvm.AtomicBinOp.add, mgpu_utils.memref_ptr(counter),
-                                    arith.constant(i32, 1), llvm.AtomicOrdering.monotonic)
-            memref.store(arith.addi(ticket, arith.constant(i32, first)), slot, [arith.constant(ir.IndexType.get(), 0)])
+        value = arith.addi(ticket.registers.flat[0], arith.constant(i32, first))
+        first_thread = arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), arith.constant(i32, 0))
+        branch = scf.IfOp(first_thread)
+        with ir.InsertionPoint(branch.then_block):
+            memref.store(value, slot, [arith.constant(ir.IndexType.get(), 0)])
+            scf.yield_([])
         llvm.inline_asm(None, [], "bar.warp.sync -1;", "", has_side_effects=True)
 
-    publish(counter_gmem, id_smem)
+    publish(ticket, id_smem)
 
 
 def run_dynamic(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier, counter, ids):
@@ -386,11 +418,11 @@ def run_dynamic(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier,
     the kernel's cycles the average SM idles, decision record 0006). With a shared counter a CTA that starts late
     simply takes fewer tiles.
 
-    Order of events for the tile of step i + stages (stages >= 2): after step i's CTA-wide barrier
-    (commit_smem), one thread takes a ticket and writes the tile to ids[slot]; the same thread issues its TMA
-    load (skipped past the last tile); every thread reads ids[slot] after the barrier of step i + stages - 1,
-    which follows the write. Tickets are taken in step order, so a CTA's tiles increase: the first one past the
-    end ends its loop, and no load is then still in flight.
+    Order of events for the tile of step i + stages (stages >= 2): thread 0 takes a ticket before computing tile i
+    (the atomic's latency hides behind the tile), and after step i's CTA-wide barrier (commit_smem) writes the tile
+    to ids[slot]; warp 0 reads it back and issues its TMA load (skipped past the last tile); every thread reads
+    ids[slot] again after the barrier of step i + stages - 1, which follows the write. Tickets are taken in step
+    order, so a CTA's tiles increase: the first one past the end ends its loop, and no load is then in flight.
     """
     c = lax.axis_index("c")
     first = stages * nct
@@ -409,12 +441,13 @@ def run_dynamic(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier,
         slot = lax.rem(i, stages)
         plgpu.barrier_wait(barrier.at[slot])
         plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
+        ticket = _take_ticket(counter)  # in flight while the tile is computed
         body(t, *(s.smem.at[slot] for s in ins), *(s.smem.at[slot] for s in outs))
         plgpu.commit_smem()
         for s in outs:
             plgpu.copy_smem_to_gmem(s.smem.at[slot], s.view(s.gmem, t), commit_group=False)
         plgpu.commit_smem_to_gmem_group()
-        _publish_next_tile(counter, ids.at[pl.ds(slot, 1)], first)
+        _publish_tile(ticket, ids.at[pl.ds(slot, 1)], first)
         n = ids[slot]
 
         @pl.when(n < ntiles)
