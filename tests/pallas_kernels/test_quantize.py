@@ -317,6 +317,40 @@ def test_nvfp4_e2m1_boundaries_interpret(impl):
             assert_same(a, b, f"{n} (global_amax={gam}, impl={impl})")
 
 
+def _near_midpoint_blocks(blocks=4096, seed=21, exact_ties=False):
+    """bfloat16 blocks whose values sit at and next to every E2M1 midpoint times their block's d = bs * g, for
+    random block scales: where any shortcut for RN(x / d) (a product with RN(1/d), one correction too few) would
+    fall on the wrong side of a midpoint.
+    exact_ties: g a power of two, so d = bs * g has at most 4 significant bits and midpoint * d is a bfloat16: x / d
+    hits the midpoints exactly (the ties) while RN(1/d) is inexact for most bs; else a random g (values within a
+    bfloat16 ulp of the midpoints). Each block's first value is its amax (about 6 d), which keeps its scale."""
+    rng = np.random.default_rng(seed)
+    gam = np.float32(2688.0 * 2.0 ** int(rng.integers(-20, 20))) if exact_ties else np.float32(rng.uniform(1.0, 1e3))
+    amax = (np.exp2(rng.uniform(-6, 8, blocks)) * gam / 448 * 6).astype(np.float32)  # block scales over e4m3's range
+    amax = np.asarray(jnp.asarray(amax).astype(BF16).astype(F32))
+    x = np.zeros((blocks, 16), np.float32)
+    x[:, 0] = amax
+    _, bs, g = P.quantize_nvfp4(jnp.asarray(x).astype(BF16), global_amax=gam)
+    d = np.asarray(bs).astype(np.float32).reshape(-1) * np.float32(g)
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+    target = (mids[rng.integers(0, 7, (blocks, 15))] * d[:, None]).astype(np.float32)
+    near = target.astype(BF16).astype(np.float32).view(np.uint32).astype(np.int64)  # nearest bf16, then +-1 ulp
+    near += (rng.integers(-1, 2, near.shape) << 16)
+    vals = near.astype(np.uint32).view(np.float32)
+    signs = np.where(rng.random(vals.shape) < 0.5, -1.0, 1.0).astype(np.float32)
+    x[:, 1:] = np.minimum(vals, amax[:, None]) * signs
+    return jnp.asarray(x.reshape(-1, 256)).astype(BF16), gam
+
+
+@pytest.mark.parametrize("exact_ties", [False, True])
+@pytest.mark.parametrize("impl", ["v6", "v7"])
+def test_nvfp4_near_midpoints_interpret(impl, exact_ties):
+    x, gam = _near_midpoint_blocks(512, exact_ties=exact_ties)
+    for a, b, n in zip(Q.nvfp4(x, global_amax=gam, interpret=True, impl=impl), P.quantize_nvfp4(x, global_amax=gam),
+                       ("packed", "block scale", "global")):
+        assert_same(a, b, n)
+
+
 @pytest.mark.parametrize("shape,in_dtype,global_amax", [((1, 16), BF16, None), ((2, 3, 40), F32, "per_expert"),
                                                         ((5, 33), BF16, 0.5)])
 def test_nvfp4_v1_interpret(shape, in_dtype, global_amax):
@@ -506,6 +540,18 @@ def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype, impl):
         got = Q.nvfp4(x, global_amax=gam, impl=impl)
         for a, b, n in zip(got, _cpu_reference(P.quantize_nvfp4, x, global_amax=gam), ("packed", "block scale", "global")):
             assert_same(a, b, f"{shape} {n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["v5", "v6", "v7", "v8"])
+def test_gpu_nvfp4_near_midpoints(impl):
+    """Values at and next to every E2M1 midpoint of their block (random and power-of-two g, 2^18 blocks), bfloat16:
+    ties x / d = midpoint exactly where RN(1/d) is inexact, where a quotient one correction short would miss."""
+    for seed, exact_ties in ((21, False), (22, True), (23, True)):
+        x, gam = _near_midpoint_blocks(1 << 18, seed, exact_ties)
+        for a, b, n in zip(Q.nvfp4(x, global_amax=gam, impl=impl), _cpu_reference(P.quantize_nvfp4, x, global_amax=gam),
+                           ("packed", "block scale", "global")):
+            assert_same(a, b, f"seed {seed} {n}")
 
 
 @pytest.mark.gpu
