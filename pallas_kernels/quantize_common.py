@@ -315,6 +315,20 @@ class Stream:
     view: object  # (gmem_ref, tile_index) -> gmem ref slice of one tile
 
 
+def _await_slot(barrier, slot, stages: int) -> None:
+    """The slot's TMA load has landed, and the store that last read the slot's output buffers is done reading."""
+    plgpu.barrier_wait(barrier.at[slot])
+    plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
+
+
+def _store_tile(t, slot, outs) -> None:
+    """Every thread's SMEM writes of the slot made visible to TMA (fence + CTA barrier), then tile t stored."""
+    plgpu.commit_smem()  # fence + warpgroup barrier: SMEM writes visible to TMA, SMEM reads done
+    for s in outs:
+        plgpu.copy_smem_to_gmem(s.smem.at[slot], s.view(s.gmem, t), commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+
+
 def run_persistent(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier):
     """Each of `nct` CTAs walks tiles c, c + nct, ... with `stages` TMA loads in flight.
 
@@ -339,13 +353,9 @@ def run_persistent(body, *, ntiles: int, nct: int, stages: int, ins, outs, barri
     def _step(i):
         slot = lax.rem(i, stages)
         t = tile(i)
-        plgpu.barrier_wait(barrier.at[slot])
-        plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)  # this slot's previous store has read SMEM
+        _await_slot(barrier, slot, stages)
         body(t, *(s.smem.at[slot] for s in ins), *(s.smem.at[slot] for s in outs))
-        plgpu.commit_smem()  # fence + warpgroup barrier: SMEM writes visible to TMA, SMEM reads done
-        for s in outs:
-            plgpu.copy_smem_to_gmem(s.smem.at[slot], s.view(s.gmem, t), commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
+        _store_tile(t, slot, outs)
 
         @pl.when(i + stages < steps)
         def _refill():
@@ -439,14 +449,10 @@ def run_dynamic(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier,
     def step(carry):
         i, t = carry
         slot = lax.rem(i, stages)
-        plgpu.barrier_wait(barrier.at[slot])
-        plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
+        _await_slot(barrier, slot, stages)
         ticket = _take_ticket(counter)  # in flight while the tile is computed
         body(t, *(s.smem.at[slot] for s in ins), *(s.smem.at[slot] for s in outs))
-        plgpu.commit_smem()
-        for s in outs:
-            plgpu.copy_smem_to_gmem(s.smem.at[slot], s.view(s.gmem, t), commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
+        _store_tile(t, slot, outs)
         _publish_tile(ticket, ids.at[pl.ds(slot, 1)], first)
         n = ids[slot]
 
