@@ -144,6 +144,7 @@ def nvfp4_sweep(dtype) -> list:
     if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, DEFAULT_TILES), then what it replaced
         return [(T(rows=768, ctas_per_sm=3), "v6"), (T(), "v3"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v6"),
                 (T(rows=768, ctas_per_sm=2), "v6"), (T(rows=768, ctas_per_sm=2, schedule="dynamic"), "v6"),
+                (T(rows=768, stages=3, ctas_per_sm=2, schedule="dynamic"), "v6"),
                 (T(rows=512, ctas_per_sm=3, schedule="dynamic"), "v6"), (T(rows=1024, schedule="dynamic"), "v5"),
                 (T(rows=1024), "v7"), (T(rows=1024), "v8")]
     return [(T(rows=768, ctas_per_sm=3), "v7"), (T(), "v3"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v7"),
@@ -257,6 +258,7 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True)
             except Exception as e:  # noqa: BLE001  (a failing config is recorded, the sweep goes on)
                 row = {**base, "impl": "pallas", "config": config_dict(cfg), "error": repr(e)[:500]}
             rows.append(row)
+            write_json(out_path, dev, anchor, rows)  # after every config: a sweep cut short keeps what it measured
             c = row["config"]
             tag = (f"r{c['rows'] or 'auto'} s{c['stages']} c{c['ctas_per_sm']} {c['division']} {c.get('impl', '')}"
                    + (" dyn" if c["schedule"] == "dynamic" else ""))
