@@ -106,7 +106,7 @@ case "${1:-}" in
         -k "reciprocal or markstein or nvfp4" 2>&1 | tee "$OUT/nvfp4_gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed"
     timeout 200 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" \
         2>&1 | quiet | tee "$OUT/quantize_nvfp4.log"
-    timeout 90 $PY experiments/benchmarks/sass.py --variants nvfp4_v6,nvfp4_v7,nvfp4_v8,nvfp4_v7_f32 \
+    timeout 90 $PY experiments/benchmarks/sass.py --variants nvfp4_v6,nvfp4_v10,nvfp4_v7,nvfp4_v7_f32,nvfp4_v11_f32 \
         --out "$OUT/sass_nvfp4_h200.json" 2>&1 | quiet | tail -10
     ncu_nvfp4 v6 768 3 ;;
   schedule)  # TileConfig(schedule="dynamic"): its GPU bit tests (every kernel), the NVFP4 sweep (static and dynamic,

@@ -335,8 +335,15 @@ def _v2_interpret(x, g, value_form: str = "v2", in_dtype=jnp.float32):
     return packed, lax.bitcast_convert_type(bs, jnp.uint8)
 
 
-def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, *, rows_per_group, tr, mode, in_dtype,
-                   branch_free_rows=False, value_form="v2", slab_loop=False):
+def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, hoisted=None, *, rows_per_group, tr, mode,
+                   in_dtype, branch_free_rows=False, value_form="v2", slab_loop=False):
+    """One tile. hoisted: (g, RN(1/g)) computed once per CTA by `_hoisted_scalars_gpu` (impl v10 / v11, one global
+    scale, GPU): then no tile loads the amax or divides for g, and nothing splits the tile's code at its start."""
+    if hoisted is not None:
+        layout = C.row_layout(NVFP4_BLOCK, in_dtype)
+        _v2_gpu(plgpu.load(x_ref, layout=layout), F32(0.0), jnp.int32(0), packed_ref, bs_ref, g_gmem,
+                in_dtype=in_dtype, branch_free_rows=True, value_form=value_form, scalars=hoisted)
+        return
     group = (t * tr) // rows_per_group  # tiles never straddle two global scales
     amax = jnp.maximum(amax_gmem[group], F32(AMAX_FLOOR))
     half = NVFP4_BLOCK // 2
@@ -375,6 +382,14 @@ def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, *, rows_per_
                 value_form=value_form, scalars=scalars)
 
 
+def _hoisted_scalars_gpu(amax_gmem, g_gmem):
+    """The kernel prologue of impl v10 / v11 (one global scale): g and RN(1/g) once per CTA, g stored.
+
+    Why: computed per tile (v6, v7), they cost each tile a GMEM load and two div.rn.f32, whose slow-path branches
+    split the tile's code at its start, so no row's work could be scheduled before g was known."""
+    return _tile_scalars_gpu(jnp.maximum(amax_gmem[0], F32(AMAX_FLOOR)), jnp.int32(0), g_gmem)
+
+
 @functools.partial(jax.jit, static_argnames=("groups", "cfg", "interpret", "impl"))
 def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     """x [..., K]; global_amax float32 [groups] (one per leading slice of x.shape[:-1]) -> packed, bs, g."""
@@ -395,8 +410,9 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     amax = jnp.pad(global_amax.astype(F32), (0, gpad))
     ntiles = pl.cdiv(rp, tr)
     half = NVFP4_BLOCK // 2
-    v2 = impl in ("v2", "v3", "v4", "v5", "v6", "v7", "v8")
+    v2 = impl in ("v2", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11")
     mode = C.div_mode(interpret, cfg)
+    hoist = impl in ("v10", "v11") and groups == 1 and mode != C.INTERPRET
     if v2:
         if tr % C.SLAB_ROWS:
             raise ValueError(f"nvfp4 impl={impl!r} keeps one row per thread in {C.SLAB_ROWS}-row slabs: "
@@ -404,9 +420,9 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
         if mode not in (C.INTERPRET, C.MARKSTEIN):
             raise ValueError(f"nvfp4 impl={impl!r} divides with the Markstein sequence only (division={cfg.division!r}); use impl='v1'")
         body = functools.partial(_nvfp4_body_v2, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode,
-                                 in_dtype=jnp.dtype(x.dtype), branch_free_rows=impl in ("v3", "v4", "v5", "v6", "v7", "v8"),
-                                 value_form={"v8": "v7"}.get(impl, impl) if impl in ("v4", "v5", "v6", "v7", "v8")
-                                 else "v2", slab_loop=impl == "v8")
+                                 in_dtype=jnp.dtype(x.dtype),
+                                 branch_free_rows=impl in ("v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11"),
+                                 value_form=_VALUE_FORMS.get(impl, "v2"), slab_loop=impl == "v8")
     else:
         body = functools.partial(_nvfp4_body, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode)
     bs_dtype = jnp.uint8 if v2 else E4M3  # v2 writes the scale bytes as integers (bitcast after the kernel)
@@ -425,6 +441,7 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
         interpret=interpret,
         n_extra_in=1,
         extra_out=[jax.ShapeDtypeStruct((groups + gpad,), F32)],
+        prologue=_hoisted_scalars_gpu if hoist else None,
     )
     packed, bs, g = call(x2, amax)
     if v2:
@@ -437,8 +454,11 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
 # (experiments/benchmarks/quantize.py). v1: the first kernel (wgmma layout, threshold compares, byte stores); v2: row per
 # thread, codes from the float bits, 8-byte stores; v3: v2 with branch-free per-row divisions; v4: one Markstein
 # correction per division and the E2M1 word; v5: v4 with a branch-free per-row reciprocal; v6: v5 with tree sums and sign
-# words; v7: v6 with the E2M1 magnitude on the FMA pipe; v8: v7 one 128-row slab per loop step (68 registers).
-IMPLS = ("v3", "v4", "v5", "v6", "v7", "v8", "v2", "v1")
+# words; v7: v6 with the E2M1 magnitude on the FMA pipe; v8: v7 one 128-row slab per loop step (68 registers); v10 / v11:
+# v6 / v7 with g and RN(1/g) computed once per CTA instead of per tile (one global scale; per-expert scales run as v6 / v7).
+IMPLS = ("v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v2", "v1")
+# the per-value form of each version's tile body (v8, v10 and v11 change how tiles run, not the values' formulas)
+_VALUE_FORMS = {"v4": "v4", "v5": "v5", "v6": "v6", "v7": "v7", "v8": "v7", "v10": "v6", "v11": "v7"}
 
 # The defaults, from the H200 runs of session 18 (decision record 0006): on the 256 MiB inputs v6 with 768-row tiles
 # at 3 CTAs per SM was the fastest bf16 kernel in every run (55-59 % of copy bandwidth; v3, the default before, 44-46 %)
