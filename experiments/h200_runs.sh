@@ -5,7 +5,8 @@
 #   bash experiments/h200_runs.sh breakdown  # FP8 linear fwd+bwd component times (incl. the GEMM tile variants)
 #   bash experiments/h200_runs.sh quantize   # quantize GPU bit tests + the full quantize benchmark (every kernel, copy anchor)
 #   bash experiments/h200_runs.sh nvfp4      # NVFP4: GPU bit tests of every version, the version / tiling sweep, SASS, ncu
-#   bash experiments/h200_runs.sh schedule   # static vs dynamic tile schedule: its GPU bit tests, NVFP4 sweep, ncu SM balance
+#   bash experiments/h200_runs.sh next_tests   # GPU bit tests of the dynamic schedule and NVFP4 v10-v13, their SASS
+#   bash experiments/h200_runs.sh next_timing  # then the NVFP4 sweep (static / dynamic, v6-v13) and ncu SM balance
 #   bash experiments/h200_runs.sh decode     # embedded engine decode, BF16 vs FP8, batch 1 / 32 / 256, roofline
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
 #   bash experiments/h200_runs.sh curves     # recipe curves (short RL runs, identical seeds)
@@ -106,21 +107,21 @@ case "${1:-}" in
         -k "reciprocal or markstein or nvfp4" 2>&1 | tee "$OUT/nvfp4_gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed"
     timeout 200 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" \
         2>&1 | quiet | tee "$OUT/quantize_nvfp4.log"
-    timeout 90 $PY experiments/benchmarks/sass.py --variants nvfp4_v6,nvfp4_v10,nvfp4_v7,nvfp4_v7_f32,nvfp4_v11_f32 \
+    timeout 90 $PY experiments/benchmarks/sass.py --variants nvfp4_v6,nvfp4_v10,nvfp4_v12,nvfp4_v7_f32,nvfp4_v11_f32,nvfp4_v13_f32 \
         --out "$OUT/sass_nvfp4_h200.json" 2>&1 | quiet | tail -10
     ncu_nvfp4 v6 768 3 ;;
-  schedule)  # TileConfig(schedule="dynamic"): its GPU bit tests (every kernel), the NVFP4 sweep (static and dynamic,
-             # 2 and 3 CTAs/SM), then Nsight Compute's per-SM active cycles of v6 at 768 rows for each pairing
-    # a failing or hanging dynamic kernel stops the stage here (the sweep would hang on it too)
-    if timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize_schedule.py -p no:cacheprovider \
-        > "$OUT/schedule_gpu_tests.log" 2>&1; then
-      grep -E "passed|failed" "$OUT/schedule_gpu_tests.log"
-      timeout 260 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" \
-          2>&1 | quiet | tee "$OUT/quantize_nvfp4.log"
-      ncu_nvfp4 v6 768 2 static; ncu_nvfp4 v6 768 2 dynamic; ncu_nvfp4 v6 768 3 dynamic  # 3 static: results/ncu (session 18)
-    else
-      echo "schedule GPU tests failed or timed out:"; grep -E "FAILED|ERROR|Error|passed|failed" "$OUT/schedule_gpu_tests.log" | head -30
-    fi ;;
+  next_tests)  # the session-19 kernels, not yet run on a GPU: the dynamic schedule (every kernel) and NVFP4 v10 - v13,
+              # their GPU bit tests, then the SASS of v10 - v13 next to v6 / v7 (registers, instructions)
+    timeout 300 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize_schedule.py tests/pallas_kernels/test_quantize.py \
+        -p no:cacheprovider -k "schedule or v10 or v11 or v12 or v13" > "$OUT/next_gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/next_gpu_tests.log" | tail -30
+    timeout 120 $PY experiments/benchmarks/sass.py --variants nvfp4_v6,nvfp4_v10,nvfp4_v12,nvfp4_v7_f32,nvfp4_v11_f32,nvfp4_v13_f32 \
+        --out "$OUT/sass_nvfp4_next_h200.json" 2>&1 | quiet | tail -12 ;;
+  next_timing)  # after next_tests passed: the NVFP4 sweep (static / dynamic, v6 / v10 / v12, v7 / v11 / v13) against the
+                # copy anchor, then Nsight Compute's per-SM active cycles of v6 at 768 rows, static vs dynamic
+    timeout 300 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" \
+        2>&1 | quiet | tee "$OUT/quantize_nvfp4.log"
+    ncu_nvfp4 v6 768 2 static; ncu_nvfp4 v6 768 2 dynamic; ncu_nvfp4 v6 768 3 dynamic ;;  # 3 static: results/ncu (session 18)
   quantize)  # the quantize GPU bit tests (NVFP4: the default versions) and the full benchmark of every kernel against
              # one copy anchor (results/quantize_h200.json), then Nsight Compute of the NVFP4 default
     timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider -k "not nvfp4 or v6 or v7" \

@@ -469,15 +469,16 @@ def run_dynamic(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier,
 
 
 def persistent_kernel(body, *, name, out_shapes, in_tiles, out_tiles, ntiles, cfg: TileConfig, interpret,
-                      n_extra_in: int = 0, extra_out=(), prologue=None):
+                      n_extra_in: int = 0, extra_out=(), prologue=None, prologue_scratch=()):
     """Builds a plgpu.kernel over a persistent grid that streams tiles through SMEM.
 
     in_tiles / out_tiles: (tile_shape, dtype, transforms, view) per streamed tensor; view(gmem_ref, t) is tile t.
     The kernel's arguments are the streamed inputs then `n_extra_in` whole-GMEM inputs; its outputs are
     `out_shapes` (streamed) then `extra_out` (whole-GMEM, written by the body directly).
     body(t, *in_smem_tiles, *out_smem_tiles, *extra_in_gmem, *extra_out_gmem) computes tile t.
-    prologue(*extra_in_gmem, *extra_out_gmem), if given, runs once per CTA before the first tile; what it returns
-    is passed to every body call as one more trailing argument (loop-invariant values, e.g. a scale for every tile).
+    prologue(*extra_in_gmem, *extra_out_gmem, *scratch_refs), if given, runs once per CTA before the first tile; what
+    it returns is passed to every body call as one more trailing argument (loop-invariant values, e.g. a scale for
+    every tile, or an SMEM table it filled: `prologue_scratch` are the SMEM buffers it gets, e.g. plgpu.SMEM(...)).
     """
     stages = cfg.stages
     tile_bytes = sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype, _, _ in (*in_tiles, *out_tiles))
@@ -490,6 +491,8 @@ def persistent_kernel(body, *, name, out_shapes, in_tiles, out_tiles, ntiles, cf
     smem = [plgpu.SMEM((stages, *shape), dtype, transforms=tr) for shape, dtype, tr, _ in (*in_tiles, *out_tiles)]
     if dynamic:
         smem.append(plgpu.SMEM((stages,), jnp.int32))  # the tile index of each pipeline slot
+    n_stream_smem = len(smem)
+    smem += list(prologue_scratch)
     barrier = plgpu.Barrier(num_arrivals=len(in_tiles), num_barriers=stages)
     n_in, n_out, n_xout, n_counter = len(in_tiles), len(out_tiles), len(extra_out), int(dynamic)
 
@@ -499,11 +502,11 @@ def persistent_kernel(body, *, name, out_shapes, in_tiles, out_tiles, ntiles, cf
         counter, refs = refs[:n_counter], refs[n_counter:]
         gmem_out, refs = refs[:n_out], refs[n_out:]
         extra_gmem_out, refs = refs[:n_xout], refs[n_xout:]
-        smem_refs, bar = refs[: len(smem)], refs[len(smem)]
+        smem_refs, pro_refs, bar = refs[:n_stream_smem], refs[n_stream_smem: len(smem)], refs[len(smem)]
         ins = [Stream(g, s, v[3]) for g, s, v in zip(gmem_in, smem_refs[:n_in], in_tiles)]
         outs = [Stream(g, s, v[3]) for g, s, v in zip(gmem_out, smem_refs[n_in:], out_tiles)]
         extra = (*extra_in, *extra_gmem_out)
-        run = functools.partial(_call_body, body, extra if prologue is None else (*extra, prologue(*extra)))
+        run = functools.partial(_call_body, body, extra if prologue is None else (*extra, prologue(*extra, *pro_refs)))
         if dynamic:
             run_dynamic(run, ntiles=ntiles, nct=nct, stages=stages, ins=ins, outs=outs, barrier=bar,
                         counter=counter[0], ids=smem_refs[-1])

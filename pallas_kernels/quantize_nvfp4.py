@@ -142,7 +142,7 @@ def _tile_scalars_gpu(amax, group, g_ref):
 
 
 def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_rows: bool = False,
-            value_form: str = "v2", scalars=None):
+            value_form: str = "v2", scalars=None, table=None):
     """GPU body of one tile: x [tr, 16] in C.row_layout, amax / group scalars; writes packed, bs and g.
 
     branch_free_rows (impl "v3"): the same bits with less latency per row. The per-row divisions amax / 6 and
@@ -185,19 +185,24 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
       Nsight Compute showed the ALU pipe as v5's busiest (66 %); it issues at half the FMA pipe's rate.
     scalars: (g, RN(1/g)) from `_tile_scalars_gpu` when the caller runs this body on slices of one tile (impl "v8");
       None: computed here (and g stored) from amax.
+    table: the CTA's [128, 4] float32 SMEM table of `_build_scale_table_gpu` (impl "v12" / "v13"): each row's divisor,
+      RN(1/divisor) and word mask are one 16-byte load at its scale byte instead of the e4m3 decode, d = bs * g, the
+      d == 0 test and the reciprocal sequence (about 20 instructions and the row chain's longest latency).
     """
     layout = C.row_layout(NVFP4_BLOCK, in_dtype)
     splat = plgpu.Layout.WG_SPLAT
 
     @plgpu.inline_mgpu(
         arg_types=(layout, splat, splat, plgpu.RefType(), plgpu.RefType(), plgpu.RefType())
-        + ((splat, splat) if scalars is not None else ()),
+        + ((splat, splat) if scalars is not None else ()) + ((plgpu.RefType(),) if table is not None else ()),
         return_type=None,
     )
     def body(ctx, x, amax, group, packed, bs_out, g_out, *given):
         del ctx
         o = C.MlirOps()
         index = ir.IndexType.get()
+        table_ref = given[2] if table is not None else None
+        given = given[:2]
         if given:
             g, r_g = (C.splat_scalar(v) for v in given)
         else:
@@ -248,13 +253,19 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
             else:
                 tg = o.div_rn(o.div_rn(amx, 6.0), g)
             byte = o.and_(o.cvt_f8x2(o.f(0.0), o.fmin(tg, float(E4M3_MAX)), "e4m3"), 0xFF)
+            if table_ref is not None:  # tg <= 448 or NaN: the byte is 0x00 .. 0x7F
+                entry = vector.load(ir.VectorType.get((4,), o.f32), table_ref,
+                                    [arith.index_cast(index, byte), arith.constant(index, 0)])
+                dd, r, mask = (vector.extract(entry, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                               for i in range(3))
+                return vals, byte, o.bits(mask), dd, r
             d = o.mul(o.e4m3_to_f32(byte), g)
             ok = o.fgt(d, 0.0)
             dd = o.fselect(ok, d, 1.0)
-            return vals, byte, ok, dd, (o.rcp_rn(dd) if value_form in ("v5", "v6", "v7") else o.div_rn(1.0, dd))
+            r = o.rcp_rn(dd) if value_form in ("v5", "v6", "v7") else o.div_rn(1.0, dd)
+            return vals, byte, o.select(ok, 0xFFFFFFFF, 0), dd, r
 
-        def row_values(j, vals, byte, ok, dd, r):
-            mask = o.select(ok, 0xFFFFFFFF, 0)
+        def row_values(j, vals, byte, mask, dd, r):
             words = []
             raw = raw_words(j) if v6 and in_dtype == jnp.bfloat16 else None
             for half in range(2):
@@ -290,7 +301,31 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
             for j in range(n_rows):
                 row_values(j, *row_chain(j))
 
-    body(x, amax, group, packed_ref, bs_ref, g_ref, *(scalars or ()))
+    body(x, amax, group, packed_ref, bs_ref, g_ref, *(scalars or ()), *(() if table is None else (table,)))
+
+
+def _build_scale_table_gpu(g, table_ref):
+    """Thread t writes row t of the CTA's scale table: for the e4m3 byte t, (divisor, RN(1/divisor), word mask, 0)
+    with divisor d = f32(byte) * g where d > 0, else 1 and mask 0 (the contract's code 0 for d == 0 or NaN): the same
+    instructions the per-row chain of v6 / v7 runs, once per CTA; then a CTA barrier, before any row reads it."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT, plgpu.RefType()), return_type=None)
+    def build(ctx, g, table):
+        del ctx
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+
+        o = C.MlirOps()
+        index = ir.IndexType.get()
+        t = mgpu_utils.thread_idx()  # 0 .. 127: one warpgroup, one byte each
+        d = o.mul(o.e4m3_to_f32(t), C.splat_scalar(g))
+        ok = o.fgt(d, 0.0)
+        dd = o.fselect(ok, d, 1.0)
+        entry = vector.from_elements(ir.VectorType.get((4,), o.f32),
+                                     [dd, o.rcp_rn(dd), o.float(o.select(ok, 0xFFFFFFFF, 0)), o.f(0.0)])
+        vector.store(entry, table, [arith.index_cast(index, t), arith.constant(index, 0)])
+        mgpu_utils.warpgroup_barrier()
+
+    build(g, table_ref)
 
 
 def _v2_interpret(x, g, value_form: str = "v2", in_dtype=jnp.float32):
@@ -342,7 +377,8 @@ def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, hoisted=None
     if hoisted is not None:
         layout = C.row_layout(NVFP4_BLOCK, in_dtype)
         _v2_gpu(plgpu.load(x_ref, layout=layout), F32(0.0), jnp.int32(0), packed_ref, bs_ref, g_gmem,
-                in_dtype=in_dtype, branch_free_rows=True, value_form=value_form, scalars=hoisted)
+                in_dtype=in_dtype, branch_free_rows=True, value_form=value_form, scalars=hoisted[:2],
+                table=hoisted[2] if len(hoisted) > 2 else None)
         return
     group = (t * tr) // rows_per_group  # tiles never straddle two global scales
     amax = jnp.maximum(amax_gmem[group], F32(AMAX_FLOOR))
@@ -382,12 +418,17 @@ def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, hoisted=None
                 value_form=value_form, scalars=scalars)
 
 
-def _hoisted_scalars_gpu(amax_gmem, g_gmem):
-    """The kernel prologue of impl v10 / v11 (one global scale): g and RN(1/g) once per CTA, g stored.
+def _hoisted_scalars_gpu(amax_gmem, g_gmem, table_ref=None):
+    """The kernel prologue of impl v10 - v13 (one global scale): g and RN(1/g) once per CTA, g stored; v12 / v13 also
+    fill the CTA's scale table (`_build_scale_table_gpu`).
 
     Why: computed per tile (v6, v7), they cost each tile a GMEM load and two div.rn.f32, whose slow-path branches
     split the tile's code at its start, so no row's work could be scheduled before g was known."""
-    return _tile_scalars_gpu(jnp.maximum(amax_gmem[0], F32(AMAX_FLOOR)), jnp.int32(0), g_gmem)
+    g, r_g = _tile_scalars_gpu(jnp.maximum(amax_gmem[0], F32(AMAX_FLOOR)), jnp.int32(0), g_gmem)
+    if table_ref is None:
+        return g, r_g
+    _build_scale_table_gpu(g, table_ref)
+    return g, r_g, table_ref
 
 
 @functools.partial(jax.jit, static_argnames=("groups", "cfg", "interpret", "impl"))
@@ -410,9 +451,10 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     amax = jnp.pad(global_amax.astype(F32), (0, gpad))
     ntiles = pl.cdiv(rp, tr)
     half = NVFP4_BLOCK // 2
-    v2 = impl in ("v2", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11")
+    v2 = impl in ("v2", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13")
     mode = C.div_mode(interpret, cfg)
-    hoist = impl in ("v10", "v11") and groups == 1 and mode != C.INTERPRET
+    hoist = impl in ("v10", "v11", "v12", "v13") and groups == 1 and mode != C.INTERPRET
+    table = hoist and impl in ("v12", "v13")
     if v2:
         if tr % C.SLAB_ROWS:
             raise ValueError(f"nvfp4 impl={impl!r} keeps one row per thread in {C.SLAB_ROWS}-row slabs: "
@@ -421,7 +463,8 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
             raise ValueError(f"nvfp4 impl={impl!r} divides with the Markstein sequence only (division={cfg.division!r}); use impl='v1'")
         body = functools.partial(_nvfp4_body_v2, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode,
                                  in_dtype=jnp.dtype(x.dtype),
-                                 branch_free_rows=impl in ("v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11"),
+                                 branch_free_rows=impl in ("v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12",
+                                                           "v13"),
                                  value_form=_VALUE_FORMS.get(impl, "v2"), slab_loop=impl == "v8")
     else:
         body = functools.partial(_nvfp4_body, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode)
@@ -442,6 +485,7 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
         n_extra_in=1,
         extra_out=[jax.ShapeDtypeStruct((groups + gpad,), F32)],
         prologue=_hoisted_scalars_gpu if hoist else None,
+        prologue_scratch=[plgpu.SMEM((C.SLAB_ROWS, 4), F32)] if table else (),
     )
     packed, bs, g = call(x2, amax)
     if v2:
@@ -455,10 +499,12 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
 # thread, codes from the float bits, 8-byte stores; v3: v2 with branch-free per-row divisions; v4: one Markstein
 # correction per division and the E2M1 word; v5: v4 with a branch-free per-row reciprocal; v6: v5 with tree sums and sign
 # words; v7: v6 with the E2M1 magnitude on the FMA pipe; v8: v7 one 128-row slab per loop step (68 registers); v10 / v11:
-# v6 / v7 with g and RN(1/g) computed once per CTA instead of per tile (one global scale; per-expert scales run as v6 / v7).
-IMPLS = ("v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v2", "v1")
-# the per-value form of each version's tile body (v8, v10 and v11 change how tiles run, not the values' formulas)
-_VALUE_FORMS = {"v4": "v4", "v5": "v5", "v6": "v6", "v7": "v7", "v8": "v7", "v10": "v6", "v11": "v7"}
+# v6 / v7 with g and RN(1/g) computed once per CTA instead of per tile (one global scale; per-expert scales run as v6 / v7);
+# v12 / v13: v10 / v11 with each row's divisor and reciprocal looked up in a per-CTA table by the row's scale byte.
+IMPLS = ("v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v2", "v1")
+# the per-value form of each version's tile body (v8, v10 - v13 change how tiles and rows run, not the values' formulas)
+_VALUE_FORMS = {"v4": "v4", "v5": "v5", "v6": "v6", "v7": "v7", "v8": "v7", "v10": "v6", "v11": "v7", "v12": "v6",
+                "v13": "v7"}
 
 # The defaults, from the H200 runs of session 18 (decision record 0006): on the 256 MiB inputs v6 with 768-row tiles
 # at 3 CTAs per SM was the fastest bf16 kernel in every run (55-59 % of copy bandwidth; v3, the default before, 44-46 %)

@@ -138,20 +138,21 @@ KERNELS = ("fp8_per_token_group", "mxfp8", "fp8_per_block", "nvfp4")
 def nvfp4_sweep(dtype) -> list:
     """(TileConfig, impl) pairs timed for NVFP4 on a 256 MiB input of `dtype`: the default first, then the old default
     (v3), the session-19 candidates not yet timed on a GPU (the dynamic schedule; v10 / v11, which compute the global
-    scale once per CTA) next to the static configs they would replace, and the best tiling each earlier version
+    scale once per CTA; v12 / v13, which also look each row's divisor and reciprocal up in a per-CTA table) next to the static configs they would replace, and the best tiling each earlier version
     reached on the H200 (versions: quantize_nvfp4.IMPLS; measurements: docs/decisions/0006).
     """
     T = Q.TileConfig
     if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, DEFAULT_TILES), then what it replaced
         return [(T(rows=768, ctas_per_sm=3), "v6"), (T(), "v3"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v6"),
                 (T(rows=768, ctas_per_sm=3), "v10"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v10"),
+                (T(rows=768, ctas_per_sm=3), "v12"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v12"),
                 (T(rows=768, ctas_per_sm=2), "v6"), (T(rows=768, ctas_per_sm=2, schedule="dynamic"), "v6"),
-                (T(rows=768, stages=3, ctas_per_sm=2, schedule="dynamic"), "v10"),
-                (T(rows=512, ctas_per_sm=3, schedule="dynamic"), "v10"), (T(rows=1024, schedule="dynamic"), "v5"),
-                (T(rows=1024), "v7"), (T(rows=1024), "v8")]
+                (T(rows=768, stages=3, ctas_per_sm=2, schedule="dynamic"), "v12"),
+                (T(rows=512, ctas_per_sm=3, schedule="dynamic"), "v12"), (T(rows=1024, schedule="dynamic"), "v5")]
     return [(T(rows=768, ctas_per_sm=3), "v7"), (T(), "v3"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v7"),
             (T(rows=768, ctas_per_sm=3), "v11"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v11"),
-            (T(rows=512, stages=4), "v7"), (T(rows=512, stages=4, schedule="dynamic"), "v11"),
+            (T(rows=768, ctas_per_sm=3), "v13"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v13"),
+            (T(rows=512, stages=4), "v7"), (T(rows=512, stages=4, schedule="dynamic"), "v13"),
             (T(rows=768, ctas_per_sm=3), "v6")]
 
 

@@ -50,6 +50,8 @@ VARIANTS = {
     "nvfp4_v8_f32": "NVFP4 quantizer (v8), float32 in, given global amax",
     "nvfp4_v10": "NVFP4 quantizer (v10: v6 with g and RN(1/g) once per CTA), bf16 in, given global amax",
     "nvfp4_v11_f32": "NVFP4 quantizer (v11: v7 with g and RN(1/g) once per CTA), float32 in, given global amax",
+    "nvfp4_v12": "NVFP4 quantizer (v12: v10 with a per-CTA table of divisors and reciprocals), bf16 in, given global amax",
+    "nvfp4_v13_f32": "NVFP4 quantizer (v13: v11 with the table), float32 in, given global amax",
 }
 
 SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
@@ -81,7 +83,7 @@ def _child(variant: str) -> None:
         y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, jnp.asarray([300, 0, 500, 224], jnp.int32))
     else:
         dtype = jnp.float32 if variant.endswith("f32") else jnp.bfloat16
-        impl = next((v for v in ("v10", "v11", "v3", "v4", "v5", "v6", "v7", "v8") if f"_{v}" in variant), "v2")
+        impl = next((v for v in ("v10", "v11", "v12", "v13", "v3", "v4", "v5", "v6", "v7", "v8") if f"_{v}" in variant), "v2")
         x = jax.random.normal(key, (4096, 4096), jnp.float32).astype(dtype)
         if variant == "fp8_token_group":
             y = quantize.fp8_per_token_group(x, 128)
