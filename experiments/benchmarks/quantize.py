@@ -148,7 +148,7 @@ def nvfp4_sweep(dtype) -> list:
                 (T(rows=768, ctas_per_sm=3), "v12"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v12"),
                 (T(rows=768, ctas_per_sm=2), "v6"), (T(rows=768, ctas_per_sm=2, schedule="dynamic"), "v6"),
                 (T(rows=768, stages=3, ctas_per_sm=2, schedule="dynamic"), "v12"),
-                (T(rows=512, ctas_per_sm=3, schedule="dynamic"), "v12"), (T(rows=1024, schedule="dynamic"), "v5")]
+                (T(rows=512, ctas_per_sm=3, schedule="dynamic"), "v12"), (T(rows=1024, schedule="dynamic"), "v12")]
     return [(T(rows=768, ctas_per_sm=3), "v7"), (T(), "v3"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v7"),
             (T(rows=768, ctas_per_sm=3), "v11"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v11"),
             (T(rows=768, ctas_per_sm=3), "v13"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v13"),
