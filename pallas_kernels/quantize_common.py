@@ -315,18 +315,16 @@ class Stream:
     view: object  # (gmem_ref, tile_index) -> gmem ref slice of one tile
 
 
-def _await_slot(barrier, slot, stages: int) -> None:
-    """The slot's TMA load has landed, and the store that last read the slot's output buffers is done reading."""
-    plgpu.barrier_wait(barrier.at[slot])
-    plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
-
-
-def _store_tile(t, slot, outs) -> None:
-    """Every thread's SMEM writes of the slot made visible to TMA (fence + CTA barrier), then tile t stored."""
+def _store_tile(t, slot, outs, stages: int) -> None:
+    """Every thread's SMEM writes of the slot made visible to TMA (fence + CTA barrier), then tile t stored; then the
+    storing thread waits until the store issued stages - 1 steps ago has read its buffers, which the next step
+    writes. The caller follows this with a CTA barrier (a refill's `copy_gmem_to_smem` has one), so no thread writes
+    those buffers before that wait: bulk-copy groups belong to the thread that issued them."""
     plgpu.commit_smem()  # fence + warpgroup barrier: SMEM writes visible to TMA, SMEM reads done
     for s in outs:
         plgpu.copy_smem_to_gmem(s.smem.at[slot], s.view(s.gmem, t), commit_group=False)
     plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
 
 
 def run_persistent(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier):
@@ -353,13 +351,18 @@ def run_persistent(body, *, ntiles: int, nct: int, stages: int, ins, outs, barri
     def _step(i):
         slot = lax.rem(i, stages)
         t = tile(i)
-        _await_slot(barrier, slot, stages)
+        plgpu.barrier_wait(barrier.at[slot])
         body(t, *(s.smem.at[slot] for s in ins), *(s.smem.at[slot] for s in outs))
-        _store_tile(t, slot, outs)
+        _store_tile(t, slot, outs, stages)
+        refill = i + stages < steps
 
-        @pl.when(i + stages < steps)
+        @pl.when(refill)
         def _refill():
-            fetch(i + stages, slot)
+            fetch(i + stages, slot)  # copy_gmem_to_smem holds a CTA barrier (Pallas' automatic barriers)
+
+        @pl.when(jnp.logical_not(refill))
+        def _sync():
+            plgpu.commit_smem()  # the CTA barrier a refill would have given (see _store_tile)
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -430,41 +433,41 @@ def run_dynamic(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier,
 
     Order of events for the tile of step i + stages (stages >= 2): thread 0 takes a ticket before computing tile i
     (the atomic's latency hides behind the tile), and after step i's CTA-wide barrier (commit_smem) writes the tile
-    to ids[slot]; warp 0 reads it back and issues its TMA load (skipped past the last tile); every thread reads
-    ids[slot] again after the barrier of step i + stages - 1, which follows the write. Tickets are taken in step
-    order, so a CTA's tiles increase: the first one past the end ends its loop, and no load is then in flight.
+    to ids[slot]; warp 0 reads it back and issues its TMA load; every thread reads ids[slot] again after the barrier
+    of step i + stages - 1, which follows the write. The other warps may still see the slot's old index when the load
+    is issued, so the load is issued unconditionally (an index past the end loads the last tile again): with Pallas'
+    automatic barriers `copy_gmem_to_smem` contains a CTA barrier, which every warp must reach. Tickets are taken in
+    step order, so a CTA's tiles increase and its first tile past the end ends its loop; the `stages` loads still in
+    flight then (each a repeat of the last tile) are waited for before the CTA exits, so none lands in SMEM that the
+    next CTA on the SM already owns.
     """
     c = lax.axis_index("c")
     first = stages * nct
+    last = ntiles - 1
 
     def fetch(t, slot):
         for s in ins:
-            plgpu.copy_gmem_to_smem(s.view(s.gmem, t), s.smem.at[slot], barrier.at[slot])
+            plgpu.copy_gmem_to_smem(s.view(s.gmem, jnp.minimum(t, last)), s.smem.at[slot], barrier.at[slot])
 
     for j in range(stages):
-        @pl.when(c + j * nct < ntiles)
-        def _prologue():
-            fetch(c + j * nct, j)
+        fetch(c + j * nct, j)
 
     def step(carry):
         i, t = carry
         slot = lax.rem(i, stages)
-        _await_slot(barrier, slot, stages)
+        plgpu.barrier_wait(barrier.at[slot])
         ticket = _take_ticket(counter)  # in flight while the tile is computed
         body(t, *(s.smem.at[slot] for s in ins), *(s.smem.at[slot] for s in outs))
-        _store_tile(t, slot, outs)
+        _store_tile(t, slot, outs, stages)
         _publish_tile(ticket, ids.at[pl.ds(slot, 1)], first)
-        n = ids[slot]
-
-        @pl.when(n < ntiles)
-        def _refill():
-            fetch(n, slot)
-
+        fetch(ids[slot], slot)  # the tile of step i + stages (warp 0 issues it, from the index it just published)
         nxt = i + 1
         t_next = jnp.where(nxt < stages, c + nxt * nct, ids[lax.rem(nxt, stages)])
         return nxt, t_next
 
-    lax.while_loop(lambda carry: carry[1] < ntiles, step, (jnp.int32(0), c))
+    done, _ = lax.while_loop(lambda carry: carry[1] < ntiles, step, (jnp.int32(0), c))
+    for j in range(stages):  # drain: the loads of steps done .. done + stages - 1 were issued and never consumed
+        plgpu.barrier_wait(barrier.at[lax.rem(done + j, stages)])
     plgpu.wait_smem_to_gmem(0)
 
 
