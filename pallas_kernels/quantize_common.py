@@ -62,6 +62,10 @@ class TileConfig:
     #   "dynamic": after its first `stages` tiles (static), a CTA takes the next tile from an atomic counter
     #              in GMEM, so CTAs that started late or run slower take fewer tiles (see run_dynamic).
     schedule: str = "static"
+    # Pallas' automatic barriers (CompilerParams.unsafe_no_auto_barriers): on, every copy_gmem_to_smem and every Pallas
+    # ref store carries CTA barriers (four extra per tile in the FP8 and MXFP8 bodies); off, the pipeline's own
+    # barriers are the only ones (enough for these bodies: see run_persistent). GPU only; the bits don't change.
+    auto_barriers: bool = True
 
     def __post_init__(self):
         if self.rows is not None and (self.rows % ROW_MULTIPLE or self.rows <= 0):
@@ -72,6 +76,8 @@ class TileConfig:
             raise ValueError(f"TileConfig.stages and ctas_per_sm must be >= 1, got {self}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TileConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.auto_barriers, bool):
+            raise ValueError(f"TileConfig.auto_barriers must be True or False, got {self.auto_barriers!r}")
         if self.schedule == "dynamic" and self.stages < 2:
             raise ValueError(f"TileConfig.schedule='dynamic' needs stages >= 2 (a tile's index is published one "
                              f"pipeline step before it is read), got {self}")
@@ -327,11 +333,16 @@ def _store_tile(t, slot, outs, stages: int) -> None:
     plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
 
 
-def run_persistent(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier):
+def run_persistent(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier, auto_barriers: bool = True):
     """Each of `nct` CTAs walks tiles c, c + nct, ... with `stages` TMA loads in flight.
 
     Steps past the last tile repeat the last tile (identical bytes written twice: benign), so every CTA
     runs the same static number of steps. body(tile_index, *in_smem_tiles, *out_smem_tiles).
+    Barriers each step needs, and where they are: all SMEM writes before the TMA store and all reads of the input
+    slot before its refill (commit_smem in _store_tile); the storing thread's wait for the old store before any
+    thread writes that store's buffers again (the barrier that closes the step: the refill's automatic one, or an
+    explicit one). Bodies need none of their own: they read their input slot and write their output slots only
+    (Mosaic's cross-warp reductions bring their own barriers).
     """
     steps = pl.cdiv(ntiles, nct)
     c = lax.axis_index("c")
@@ -358,11 +369,14 @@ def run_persistent(body, *, ntiles: int, nct: int, stages: int, ins, outs, barri
 
         @pl.when(refill)
         def _refill():
-            fetch(i + stages, slot)  # copy_gmem_to_smem holds a CTA barrier (Pallas' automatic barriers)
+            fetch(i + stages, slot)  # with automatic barriers, copy_gmem_to_smem starts with a CTA barrier
 
-        @pl.when(jnp.logical_not(refill))
-        def _sync():
-            plgpu.commit_smem()  # the CTA barrier a refill would have given (see _store_tile)
+        if auto_barriers:
+            @pl.when(jnp.logical_not(refill))
+            def _sync():
+                plgpu.commit_smem()  # the CTA barrier a refill would have given (see _store_tile)
+        else:
+            plgpu.commit_smem()  # the step's closing CTA barrier (see _store_tile)
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -423,7 +437,8 @@ def _publish_tile(ticket, id_smem, first: int):
     publish(ticket, id_smem)
 
 
-def run_dynamic(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier, counter, ids):
+def run_dynamic(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier, counter, ids,
+                auto_barriers: bool = True):
     """Like run_persistent, but after its first `stages` tiles (c + j nct, static) a CTA takes tiles from `counter`.
 
     Why: the grid is `ctas_per_sm` x SMs CTAs, and when fewer fit on an SM at once (registers, SMEM) the rest run
@@ -461,6 +476,8 @@ def run_dynamic(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier,
         _store_tile(t, slot, outs, stages)
         _publish_tile(ticket, ids.at[pl.ds(slot, 1)], first)
         fetch(ids[slot], slot)  # the tile of step i + stages (warp 0 issues it, from the index it just published)
+        if not auto_barriers:
+            plgpu.commit_smem()  # the step's closing CTA barrier (see _store_tile)
         nxt = i + 1
         t_next = jnp.where(nxt < stages, c + nxt * nct, ids[lax.rem(nxt, stages)])
         return nxt, t_next
@@ -512,9 +529,10 @@ def persistent_kernel(body, *, name, out_shapes, in_tiles, out_tiles, ntiles, cf
         run = functools.partial(_call_body, body, extra if prologue is None else (*extra, prologue(*extra, *pro_refs)))
         if dynamic:
             run_dynamic(run, ntiles=ntiles, nct=nct, stages=stages, ins=ins, outs=outs, barrier=bar,
-                        counter=counter[0], ids=smem_refs[-1])
+                        counter=counter[0], ids=smem_refs[-1], auto_barriers=cfg.auto_barriers)
         else:
-            run_persistent(run, ntiles=ntiles, nct=nct, stages=stages, ins=ins, outs=outs, barrier=bar)
+            run_persistent(run, ntiles=ntiles, nct=nct, stages=stages, ins=ins, outs=outs, barrier=bar,
+                           auto_barriers=cfg.auto_barriers)
 
     call = plgpu.kernel(
         kernel,
@@ -522,7 +540,8 @@ def persistent_kernel(body, *, name, out_shapes, in_tiles, out_tiles, ntiles, cf
         grid=(nct,),
         grid_names=("c",),
         scratch_types=(*smem, barrier),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             unsafe_no_auto_barriers=not cfg.auto_barriers),
         kernel_name=name + ("_dyn" if dynamic else ""),
     )
     if not dynamic:

@@ -146,12 +146,14 @@ def nvfp4_sweep(dtype) -> list:
         return [(T(rows=768, ctas_per_sm=3), "v6"), (T(), "v3"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v6"),
                 (T(rows=768, ctas_per_sm=3), "v10"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v10"),
                 (T(rows=768, ctas_per_sm=3), "v12"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v12"),
+                (T(rows=768, ctas_per_sm=3, schedule="dynamic", auto_barriers=False), "v12"),
                 (T(rows=768, ctas_per_sm=2), "v6"), (T(rows=768, ctas_per_sm=2, schedule="dynamic"), "v6"),
                 (T(rows=768, stages=3, ctas_per_sm=2, schedule="dynamic"), "v12"),
                 (T(rows=512, ctas_per_sm=3, schedule="dynamic"), "v12"), (T(rows=1024, schedule="dynamic"), "v12")]
     return [(T(rows=768, ctas_per_sm=3), "v7"), (T(), "v3"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v7"),
             (T(rows=768, ctas_per_sm=3), "v11"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v11"),
             (T(rows=768, ctas_per_sm=3), "v13"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v13"),
+            (T(rows=768, ctas_per_sm=3, schedule="dynamic", auto_barriers=False), "v13"),
             (T(rows=512, stages=4), "v7"), (T(rows=512, stages=4, schedule="dynamic"), "v13"),
             (T(rows=768, ctas_per_sm=3), "v6")]
 
@@ -178,12 +180,14 @@ def cases(quick: bool, kernels=KERNELS):
     if set(kernels) <= {"nvfp4", "mxfp8"} and not quick:
         return ab_cases(kernels)
     T = Q.TileConfig
-    dyn = T(schedule="dynamic")
-    tok_cfgs = [T(), dyn, T(stages=4), T(rows=128, ctas_per_sm=1), T(division="div_rn"), T(division="divf")]
-    tok_f32 = [T(), dyn, T(stages=4)]
-    mx_cfgs = [T(), dyn, T(stages=4), T(division="divf")]
-    blk_cfgs = [T(), dyn, T(stages=4, ctas_per_sm=1), T(stages=4, ctas_per_sm=1, schedule="dynamic"),
-                T(division="div_rn"), T(division="divf")]
+    dyn, nobar = T(schedule="dynamic"), T(auto_barriers=False)  # session 19 candidates, not yet timed
+    dyn_nobar = T(schedule="dynamic", auto_barriers=False)
+    tok_cfgs = [T(), dyn, nobar, dyn_nobar, T(stages=4), T(rows=128, ctas_per_sm=1), T(division="div_rn"),
+                T(division="divf")]
+    tok_f32 = [T(), dyn, nobar, T(stages=4)]
+    mx_cfgs = [T(), dyn, nobar, dyn_nobar, T(stages=4), T(division="divf")]
+    blk_cfgs = [T(), dyn, nobar, T(stages=4, ctas_per_sm=1), T(stages=4, ctas_per_sm=1, schedule="dynamic"),
+                T(stages=4, ctas_per_sm=1, auto_barriers=False), T(division="div_rn"), T(division="divf")]
     bf16, f32 = jnp.bfloat16, jnp.float32
     tok = (lambda x, cfg: Q.fp8_per_token_group(x, config=cfg), jax.jit(P.quantize_fp8_per_token_group))
     mx = (lambda x, cfg: Q.mxfp8(x, config=cfg), jax.jit(P.quantize_mxfp8))
@@ -200,7 +204,7 @@ def cases(quick: bool, kernels=KERNELS):
         ("mxfp8", (32768, 4096), bf16, *mx, mx_cfgs),
         ("mxfp8", (4096, 4096), bf16, *mx, mx_cfgs[:1]),
         ("fp8_per_block", (64, 1536, 2048), bf16, *blk, blk_cfgs),
-        ("fp8_per_block", (8192, 8192), f32, *blk, blk_cfgs[:2]),
+        ("fp8_per_block", (8192, 8192), f32, *blk, blk_cfgs[:3] + [dyn_nobar]),
         ("fp8_per_block", (4096, 4096), bf16, *blk, blk_cfgs[:1]),
         ("nvfp4", (32768, 4096), bf16, *nv, nvfp4_sweep(bf16) + nv_div),
         ("nvfp4", (8192, 8192), f32, *nv, nvfp4_sweep(f32)),
@@ -217,7 +221,7 @@ def config_dict(cfg) -> dict:  # rows None = the kernel's default (8192 // group
     if isinstance(cfg, tuple):  # (TileConfig, impl) from ab_cases
         cfg, impl = cfg
     d = {"rows": cfg.rows, "stages": cfg.stages, "ctas_per_sm": cfg.ctas_per_sm, "division": cfg.division,
-         "schedule": cfg.schedule}
+         "schedule": cfg.schedule, "auto_barriers": cfg.auto_barriers}
     if impl is not None:
         d["impl"] = impl
     return d
@@ -265,7 +269,7 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True)
             write_json(out_path, dev, anchor, rows)  # after every config: a sweep cut short keeps what it measured
             c = row["config"]
             tag = (f"r{c['rows'] or 'auto'} s{c['stages']} c{c['ctas_per_sm']} {c['division']} {c.get('impl', '')}"
-                   + (" dyn" if c["schedule"] == "dynamic" else ""))
+                   + (" dyn" if c["schedule"] == "dynamic" else "") + ("" if c["auto_barriers"] else " nobar"))
             if "error" in row:
                 print(f"{name:20s} {str(shape):18s} pallas {tag}: ERROR {row['error'][:300]}", flush=True)
             else:

@@ -1,4 +1,5 @@
-"""TileConfig(schedule="dynamic"): CTAs take tiles from an atomic counter after their first `stages` tiles.
+"""TileConfig(schedule="dynamic"): CTAs take tiles from an atomic counter after their first `stages` tiles; and
+TileConfig(auto_barriers=False): only the pipeline's own CTA barriers, none of Pallas' automatic ones.
 
 CPU: the GPU form is lowered for CUDA (Mosaic GPU's lowering runs here; the inline atomic, the SMEM tile ring and the
 counter's aliasing are built), and interpret mode, which always walks the static order, still gives the contract's
@@ -44,6 +45,15 @@ def _mosaic_calls(fn, *avals):
 
 
 @pytest.mark.parametrize("name,kernel,_", KERNELS, ids=[k[0] for k in KERNELS])
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_explicit_barriers_lower_for_cuda(name, kernel, _, schedule):
+    x = jax.ShapeDtypeStruct((2048, 1024), BF16)
+    cfg = Q.TileConfig(rows=768 if name == "nvfp4" else None, schedule=schedule, auto_barriers=False)
+    (aliases, _line), = _mosaic_calls(lambda a: kernel(a, cfg), x)
+    assert len(aliases) == (schedule == "dynamic")
+
+
+@pytest.mark.parametrize("name,kernel,_", KERNELS, ids=[k[0] for k in KERNELS])
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_dynamic_schedule_lowers_for_cuda(name, kernel, _, dtype):
     x = jax.ShapeDtypeStruct((2048, 1024), dtype)
@@ -67,14 +77,15 @@ def test_two_dynamic_calls_in_one_program_get_two_counters():
 @pytest.mark.parametrize("name,kernel,contract", KERNELS, ids=[k[0] for k in KERNELS])
 def test_dynamic_schedule_interpret_equals_contract(name, kernel, contract):
     x = jnp.concatenate([edge_cases(8, 256), rand((120, 256), 2)], axis=0)
-    cfg = Q.TileConfig(rows=128, schedule="dynamic") if name == "nvfp4" else DYN
+    cfg = Q.TileConfig(rows=128 if name == "nvfp4" else None, schedule="dynamic", auto_barriers=False)
     got = kernel(x, cfg, interpret=True)
     for a, b in zip(got, contract(x)):
         assert_same(a, b, name)
 
 
 @pytest.mark.parametrize("bad,match", [({"schedule": "work_stealing"}, "schedule must be one of"),
-                                       ({"schedule": "dynamic", "stages": 1}, "needs stages >= 2")])
+                                       ({"schedule": "dynamic", "stages": 1}, "needs stages >= 2"),
+                                       ({"auto_barriers": "no"}, "auto_barriers must be True or False")])
 def test_bad_schedule_fails_clearly(bad, match):
     with pytest.raises(ValueError, match=match):
         Q.TileConfig(**bad)
@@ -99,6 +110,21 @@ def test_gpu_dynamic_schedule_equals_contract(name, kernel, contract, shape, in_
     for call in range(3):  # a fresh zeroed counter each call: no call sees another's tickets
         for a, b in zip(fn(x), want):
             assert_same(a, b, f"{name} {shape} call {call}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,kernel,contract", KERNELS, ids=[k[0] for k in KERNELS])
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_gpu_explicit_barriers_equal_contract(name, kernel, contract, schedule):
+    """Without Pallas' automatic barriers the pipeline's own must order every SMEM hazard: bits on many tiles per CTA
+    (where a missing barrier would let a slot be overwritten while read), edge cases, and a partial last tile."""
+    for shape, dtype, seed in (((16384, 4096), BF16, 13), ((3000, 1000), F32, 14)):
+        x = rand(shape, seed, dtype, spread=name != "nvfp4")
+        x = jnp.concatenate([edge_cases(8, shape[1]).astype(dtype), x], axis=0)
+        cfg = Q.TileConfig(rows=768 if name == "nvfp4" else None, ctas_per_sm=3 if name == "nvfp4" else 2,
+                           schedule=schedule, auto_barriers=False)
+        for a, b in zip(kernel(x, cfg), _cpu_reference(contract, x)):
+            assert_same(a, b, f"{name} {shape} {schedule}")
 
 
 @pytest.mark.gpu
