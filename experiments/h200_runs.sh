@@ -112,9 +112,14 @@ case "${1:-}" in
     ncu_nvfp4 v6 768 3 ;;
   next_tests)  # the session-19 kernels, not yet run on a GPU: the dynamic schedule (every kernel) and NVFP4 v10 - v13,
               # their GPU bit tests, then the SASS of v10 - v13 next to v6 / v7 (registers, instructions)
-    timeout 300 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize_schedule.py tests/pallas_kernels/test_quantize.py \
-        -p no:cacheprovider -k "schedule or v10 or v11 or v12 or v13" > "$OUT/next_gpu_tests.log" 2>&1
-    grep -E "FAILED|ERROR|passed|failed" "$OUT/next_gpu_tests.log" | tail -30
+    # v10 - v13 first (static schedule: no new synchronisation), then the schedule / barrier tests, each with its own
+    # time limit so that a hang in the new synchronisation can't cost the other half
+    timeout 170 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider \
+        -k "v10 or v11 or v12 or v13" > "$OUT/next_gpu_tests_v10_v13.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/next_gpu_tests_v10_v13.log" | tail -20
+    timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize_schedule.py -p no:cacheprovider \
+        > "$OUT/next_gpu_tests_schedule.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/next_gpu_tests_schedule.log" | tail -20
     timeout 120 $PY experiments/benchmarks/sass.py --variants nvfp4_v6,nvfp4_v10,nvfp4_v12,nvfp4_v7_f32,nvfp4_v11_f32,nvfp4_v13_f32 \
         --out "$OUT/sass_nvfp4_next_h200.json" 2>&1 | quiet | tail -12 ;;
   next_timing)  # after next_tests passed: the NVFP4 sweep (static / dynamic, v6 / v10 / v12, v7 / v11 / v13) against the
