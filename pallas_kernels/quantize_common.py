@@ -549,8 +549,12 @@ def persistent_kernel(body, *, name, out_shapes, in_tiles, out_tiles, ntiles, cf
 
     def with_counter(*args):
         # A fresh zeroed counter per call, passed as a mutable ref (XLA aliases it into the kernel: no stale
-        # tickets from an earlier call). 16 bytes: the smallest GMEM allocation Mosaic aligns for.
-        return call(*args, jax.new_ref(jnp.zeros((4,), jnp.int32)))
+        # tickets from an earlier call). 16 bytes: the smallest GMEM allocation Mosaic aligns for. The zeros are
+        # made to depend on the input (its first element's bits AND 0), so that partial evaluation (jax.checkpoint
+        # and scan under jax.grad) keeps the ref's creation on the kernel's side: a ref can't be a residual.
+        first = args[0].reshape(-1)[:1].astype(F32)
+        zeros = jnp.zeros((4,), jnp.int32) + (lax.bitcast_convert_type(first, jnp.int32) & 0)
+        return call(*args, jax.new_ref(zeros))
 
     return with_counter
 

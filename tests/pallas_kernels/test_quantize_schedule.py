@@ -148,3 +148,31 @@ def test_gpu_two_dynamic_calls_in_one_program():
     for got, xin in ((first, x), (second, x * 2)):
         for a, b in zip(got, _cpu_reference(P.quantize_nvfp4, np.asarray(xin))):
             assert_same(a, b, "nvfp4 in one program")
+
+
+def test_dynamic_schedule_lowers_under_grad_with_checkpoint_and_scan():
+    """The training stack differentiates through custom_vjp linears inside jax.checkpoint inside lax.scan; partial
+    evaluation there must not separate the counter's creation from its kernel (a ref can't be a residual)."""
+
+    @jax.custom_vjp
+    def qlin(x, w):
+        q, s = Q.fp8_per_token_group(x, config=DYN)
+        return (q.astype(F32) * jnp.repeat(s, 128, axis=-1)) @ w
+
+    def fwd(x, w):
+        return qlin(x, w), (x, w)
+
+    def bwd(res, g):
+        x, w = res
+        gq, gs = Q.fp8_per_token_group(g, config=DYN)
+        return (gq.astype(F32) * jnp.repeat(gs, 128, axis=-1)) @ w.T, x.T @ g
+
+    qlin.defvjp(fwd, bwd)
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jax.checkpoint(lambda h: jnp.tanh(qlin(h, w)))(h), None), x, ws)
+        return jnp.sum(h)
+
+    ws, x = jax.ShapeDtypeStruct((3, 256, 256), F32), jax.ShapeDtypeStruct((256, 256), F32)
+    calls = _mosaic_calls(jax.grad(loss), ws, x)
+    assert len(calls) >= 2 and all(len(aliases) == 1 for aliases, _ in calls)
