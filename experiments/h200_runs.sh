@@ -124,8 +124,8 @@ case "${1:-}" in
         --out "$OUT/sass_nvfp4_next_h200.json" 2>&1 | quiet | tail -12 ;;
   next_timing)  # after next_tests passed: the NVFP4 sweep (static / dynamic, v6 / v10 / v12, v7 / v11 / v13) against the
                 # copy anchor, then Nsight Compute's per-SM active cycles of v6 at 768 rows, static vs dynamic
-    timeout 300 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" \
-        2>&1 | quiet | tee "$OUT/quantize_nvfp4.log"
+    timeout 400 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" \
+        2>&1 | quiet | tee "$OUT/quantize_nvfp4.log"  # JSON after every config: a cut keeps what was timed
     ncu_nvfp4 v6 768 2 static; ncu_nvfp4 v6 768 2 dynamic; ncu_nvfp4 v6 768 3 dynamic ;;  # 3 static: results/ncu (session 18)
   quantize)  # the quantize GPU bit tests (NVFP4: the default versions) and the benchmark of the FP8 / MXFP8 kernels
              # against the copy anchor measured in the same run (results/quantize_h200.json)
