@@ -147,6 +147,7 @@ def nvfp4_sweep(dtype) -> list:
                 (T(rows=768, ctas_per_sm=3), "v10"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v10"),
                 (T(rows=768, ctas_per_sm=3), "v12"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v12"),
                 (T(rows=768, ctas_per_sm=3, schedule="dynamic", auto_barriers=False), "v12"),
+                (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v13"),
                 (T(rows=768, ctas_per_sm=2), "v6"), (T(rows=768, ctas_per_sm=2, schedule="dynamic"), "v6"),
                 (T(rows=768, stages=3, ctas_per_sm=2, schedule="dynamic"), "v12"),
                 (T(rows=512, ctas_per_sm=3, schedule="dynamic"), "v12"), (T(rows=1024, schedule="dynamic"), "v12")]
