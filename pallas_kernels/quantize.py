@@ -6,7 +6,8 @@
     nvfp4(x, *, global_amax, impl)                               == precision.quantize_nvfp4 (four_over_six=False)
 
 Every function takes `interpret=True` to run on CPU (Mosaic GPU interpret mode; tests) and an optional
-`config=TileConfig(...)` (tile rows, pipeline stages, CTAs per SM, division instruction) for benchmarks.
+`config=TileConfig(...)` (tile rows, pipeline stages, CTAs per SM, division instruction, static or dynamic tile
+schedule, Pallas' automatic barriers on or off) for benchmarks.
 Design, tiling and measured bandwidth: docs/decisions/0006-quantize-kernels.md.
 """
 
