@@ -414,8 +414,8 @@ def _take_ticket(counter_gmem):
 def _publish_tile(ticket, id_smem, first: int):
     """Thread 0 writes tile `first + ticket` to id_smem[0]; then warp 0 agrees on it (bar.warp.sync).
 
-    The TMA load of that tile is issued from warp 0, inside a `pl.when` on the value read back: a warp must not
-    diverge around Mosaic's `elect.sync`. The other warps read the slot only after the next CTA-wide barrier.
+    The TMA load of that tile is issued by warp 0's elected lane from the value read back right after, so every lane
+    of warp 0 must see the write. The other warps read the slot for their own use only after the next CTA barrier.
     """
 
     @plgpu.inline_mgpu(arg_types=(_TICKET_LAYOUT, plgpu.RefType()))
