@@ -85,13 +85,18 @@ parallel() {
 # ncu_nvfp4 IMPL ROWS CTAS [SCHEDULE]: Nsight Compute of one NVFP4 call on the 256 MiB bf16 benchmark input
 # (experiments/benchmarks/profile_one.py), with per-SM active cycles; the report goes to
 # $OUT/ncu_nvfp4_IMPL_rROWS_cCTAS[_dynamic].txt
+# why warps wait, per issued instruction (the v3 profile's breakdown in results/ncu/nvfp4_v3_stalls_h200.txt)
+STALLS=$(for r in barrier long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle membar not_selected \
+           selected dispatch_stall no_instruction branch_resolving sleeping; do
+           printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' "$r"; done | sed 's/,$//')
 ncu_nvfp4() {
   local sched="${4:-static}" rep="$OUT/ncu_nvfp4_$1_r$2_c$3$([ "${4:-static}" = static ] || echo "_$4").txt"
   timeout 120 ncu --kernel-name regex:quantize_nvfp4 --launch-skip 1 --launch-count 1 --section SpeedOfLight \
       --section SchedulerStats --section WarpStateStats --section Occupancy --section ComputeWorkloadAnalysis \
-      --section LaunchStats --metrics sm__cycles_active.min,sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_elapsed.max \
+      --section LaunchStats --metrics sm__cycles_active.min,sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_elapsed.max,$STALLS \
       $PY experiments/benchmarks/profile_one.py --impl "$1" --rows "$2" --ctas-per-sm "$3" --schedule "$sched" > "$rep" 2>&1
-  grep -E "sm__cycles|Registers Per|Achieved Active|Issue Slots Busy|Executed Ipc A|Duration|pipeline" "$rep" | head -12
+  grep -E "sm__cycles|stalled_(barrier|long_sc|wait|math|mio)|Registers Per|Achieved Active|Issue Slots Busy|Executed Ipc A|Duration|pipeline" \
+      "$rep" | head -20
 }
 
 case "${1:-}" in
