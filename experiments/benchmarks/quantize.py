@@ -198,15 +198,15 @@ def cases(quick: bool, kernels=KERNELS):
     nv = (lambda x, ci: Q.nvfp4(x, global_amax=g, config=ci[0], impl=ci[1]),
           jax.jit(lambda x: P.quantize_nvfp4(x, global_amax=g)))
     nv_div = [(T(division="div_rn"), "v1"), (T(division="divf"), "v1")]
-    out = [
+    out = [  # first the case nearest the 80 % line (a run cut short by its time limit keeps it)
+        ("fp8_per_block", (8192, 8192), f32, *blk,  # 64 KiB float32 blocks: 2 stages fit one CTA per SM, 1 stage two
+         blk_cfgs[:3] + [dyn_nobar, T(stages=1), T(stages=1, auto_barriers=False)]),
         ("fp8_per_token_group", (32768, 4096), bf16, *tok, tok_cfgs),
         ("fp8_per_token_group", (4096, 4096), bf16, *tok, tok_cfgs[:1]),
         ("fp8_per_token_group", (16384, 4096), f32, *tok, tok_f32),
         ("mxfp8", (32768, 4096), bf16, *mx, mx_cfgs),
         ("mxfp8", (4096, 4096), bf16, *mx, mx_cfgs[:1]),
         ("fp8_per_block", (64, 1536, 2048), bf16, *blk, blk_cfgs),
-        ("fp8_per_block", (8192, 8192), f32, *blk,  # 64 KiB float32 blocks: 2 stages fit one CTA per SM, 1 stage two
-         blk_cfgs[:3] + [dyn_nobar, T(stages=1), T(stages=1, auto_barriers=False)]),
         ("fp8_per_block", (4096, 4096), bf16, *blk, blk_cfgs[:1]),
         ("nvfp4", (32768, 4096), bf16, *nv, nvfp4_sweep(bf16) + nv_div),
         ("nvfp4", (8192, 8192), f32, *nv, nvfp4_sweep(f32)),
