@@ -175,3 +175,11 @@ class FakeEngine:
 
     def resume(self) -> None:
         self.paused = False
+
+
+def wait_for(predicate, what: str = "condition", timeout_s: float = 20.0) -> None:
+    """Poll `predicate` until it holds; fail the test naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 import pytest
-from fake_rollout_engine import FakeEngine, make_table, write_checkpoint
+from fake_rollout_engine import FakeEngine, make_table, wait_for, write_checkpoint
 
 from jaxrl_fp8.rollout.fleet import AllServersDead, FleetConfig, RolloutFailed, SGLangFleet
 from jaxrl_fp8.rollout.http_server import ServerConfig, start_in_thread
@@ -143,13 +143,6 @@ class GatedEngine(FakeEngine):
             self.blocked.set()
             assert self.gate.wait(30), "test never opened the gate"
         return super().generate(prompts, sampling, return_routed_experts=return_routed_experts)
-
-
-def wait_for(condition, what, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def test_weight_push_mid_rollout_never_mixes_versions(tmp_path):

@@ -1,25 +1,17 @@
 """The embedded SGLang-API server over real HTTP on localhost (in-thread servers, ephemeral ports)."""
 
 import threading
-import time
 
 import numpy as np
 import pytest
 import requests
-from fake_rollout_engine import FakeEngine, make_table, write_checkpoint
+from fake_rollout_engine import FakeEngine, make_table, wait_for, write_checkpoint
 
 from jaxrl_fp8.rollout.http_server import ServerConfig, start_in_thread
 from jaxrl_fp8.rollout.sglang_client import RetryPolicy, SGLangClient, SGLangHTTPError
 from jaxrl_fp8.rollout.types import GenerateRequest, SamplingParams
 
 ONCE = RetryPolicy(max_attempts=1)
-
-
-def wait_for(predicate, timeout_s=10.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def assert_same_samples(got, want):
@@ -220,7 +212,7 @@ def test_pause_abort_answers_queued_requests_and_lets_the_running_batch_finish()
         wait_for(lambda: engine.batch_sizes, what="the first batch (0.6 s) to enter the engine")
         queued = threading.Thread(target=run, args=("queued", (6,)))
         queued.start()
-        wait_for(lambda: srv.batcher._queue, what="the second request to queue behind it")
+        wait_for(lambda: srv.batcher.queued_prompts, what="the second request to queue behind it")
         client.pause_generation("abort")
         queued.join(5)
         assert results["queued"][0].finish_reason == "abort" and results["queued"][0].response_ids.size == 0
