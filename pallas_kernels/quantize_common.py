@@ -321,6 +321,12 @@ class Stream:
     view: object  # (gmem_ref, tile_index) -> gmem ref slice of one tile
 
 
+def _fetch(ins, t, slot, barrier) -> None:
+    """TMA loads of tile t of every streamed input into pipeline slot `slot`, completing on that slot's barrier."""
+    for s in ins:
+        plgpu.copy_gmem_to_smem(s.view(s.gmem, t), s.smem.at[slot], barrier.at[slot])
+
+
 def _store_tile(t, slot, outs, stages: int) -> None:
     """Every thread's SMEM writes of the slot made visible to TMA (fence + CTA barrier), then tile t stored; then the
     storing thread waits until the store issued stages - 1 steps ago has read its buffers, which the next step
@@ -351,9 +357,7 @@ def run_persistent(body, *, ntiles: int, nct: int, stages: int, ins, outs, barri
         return jnp.minimum(c + i * nct, ntiles - 1)
 
     def fetch(i, slot):
-        t = tile(i)
-        for s in ins:
-            plgpu.copy_gmem_to_smem(s.view(s.gmem, t), s.smem.at[slot], barrier.at[slot])
+        _fetch(ins, tile(i), slot, barrier)
 
     for j in range(min(stages, steps)):
         fetch(j, j)
@@ -461,8 +465,7 @@ def run_dynamic(body, *, ntiles: int, nct: int, stages: int, ins, outs, barrier,
     last = ntiles - 1
 
     def fetch(t, slot):
-        for s in ins:
-            plgpu.copy_gmem_to_smem(s.view(s.gmem, jnp.minimum(t, last)), s.smem.at[slot], barrier.at[slot])
+        _fetch(ins, jnp.minimum(t, last), slot, barrier)
 
     for j in range(stages):
         fetch(c + j * nct, j)

@@ -259,11 +259,8 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
                 dd, r, mask = (vector.extract(entry, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
                                for i in range(3))
                 return vals, byte, o.bits(mask), dd, r
-            d = o.mul(o.e4m3_to_f32(byte), g)
-            ok = o.fgt(d, 0.0)
-            dd = o.fselect(ok, d, 1.0)
-            r = o.rcp_rn(dd) if value_form in ("v5", "v6", "v7") else o.div_rn(1.0, dd)
-            return vals, byte, o.select(ok, 0xFFFFFFFF, 0), dd, r
+            mask, dd, r = _row_divisor(o, byte, g, branch_free_reciprocal=value_form in ("v5", "v6", "v7"))
+            return vals, byte, mask, dd, r
 
         def row_values(j, vals, byte, mask, dd, r):
             words = []
@@ -304,6 +301,18 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
     body(x, amax, group, packed_ref, bs_ref, g_ref, *(scalars or ()), *(() if table is None else (table,)))
 
 
+def _row_divisor(o, byte, g, *, branch_free_reciprocal: bool):
+    """(word mask, divisor, RN(1/divisor)) of a row with e4m3 scale byte `byte` (i32) and global scale g: the
+    divisor is d = f32(bs) * g where d > 0, else 1 with mask 0 (the contract's code 0 for d == 0 or NaN); RN(1/d) by
+    C._RCP_RN_PTX (no branch) or div.rn.f32. Shared by the per-row chain and the v12 / v13 table, so both give the
+    same bits."""
+    d = o.mul(o.e4m3_to_f32(byte), g)
+    ok = o.fgt(d, 0.0)
+    dd = o.fselect(ok, d, 1.0)
+    r = o.rcp_rn(dd) if branch_free_reciprocal else o.div_rn(1.0, dd)
+    return o.select(ok, 0xFFFFFFFF, 0), dd, r
+
+
 def _build_scale_table_gpu(g, table_ref):
     """Thread t writes row t of the CTA's scale table: for the e4m3 byte t, (divisor, RN(1/divisor), word mask, 0)
     with divisor d = f32(byte) * g where d > 0, else 1 and mask 0 (the contract's code 0 for d == 0 or NaN): the same
@@ -317,11 +326,8 @@ def _build_scale_table_gpu(g, table_ref):
         o = C.MlirOps()
         index = ir.IndexType.get()
         t = mgpu_utils.thread_idx()  # 0 .. 127: one warpgroup, one byte each
-        d = o.mul(o.e4m3_to_f32(t), C.splat_scalar(g))
-        ok = o.fgt(d, 0.0)
-        dd = o.fselect(ok, d, 1.0)
-        entry = vector.from_elements(ir.VectorType.get((4,), o.f32),
-                                     [dd, o.rcp_rn(dd), o.float(o.select(ok, 0xFFFFFFFF, 0)), o.f(0.0)])
+        mask, dd, r = _row_divisor(o, t, C.splat_scalar(g), branch_free_reciprocal=True)
+        entry = vector.from_elements(ir.VectorType.get((4,), o.f32), [dd, r, o.float(mask), o.f(0.0)])
         vector.store(entry, table, [arith.index_cast(index, t), arith.constant(index, 0)])
         mgpu_utils.warpgroup_barrier()
 
@@ -451,7 +457,7 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     amax = jnp.pad(global_amax.astype(F32), (0, gpad))
     ntiles = pl.cdiv(rp, tr)
     half = NVFP4_BLOCK // 2
-    v2 = impl in ("v2", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13")
+    v2 = impl != "v1"  # every version but the first keeps one row per thread
     mode = C.div_mode(interpret, cfg)
     hoist = impl in ("v10", "v11", "v12", "v13") and groups == 1 and mode != C.INTERPRET
     table = hoist and impl in ("v12", "v13")
@@ -463,8 +469,7 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
             raise ValueError(f"nvfp4 impl={impl!r} divides with the Markstein sequence only (division={cfg.division!r}); use impl='v1'")
         body = functools.partial(_nvfp4_body_v2, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode,
                                  in_dtype=jnp.dtype(x.dtype),
-                                 branch_free_rows=impl in ("v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12",
-                                                           "v13"),
+                                 branch_free_rows=impl != "v2",
                                  value_form=_VALUE_FORMS.get(impl, "v2"), slab_loop=impl == "v8")
     else:
         body = functools.partial(_nvfp4_body, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode)
