@@ -19,6 +19,7 @@ division instructions and how many registers they use.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -37,7 +38,7 @@ from pallas_kernels import quantize as Q
 MiB = 1 << 20
 
 
-def time_call(fn, *args, reps: int = 5, inner: int = 10) -> float:
+def time_call(fn, *args, reps: int = 11, inner: int = 20) -> float:
     """Median seconds per call: `inner` calls enqueued back to back (async dispatch hides launch cost)."""
     return timing.bench(fn, *args, iters=inner, reps=reps, warmup=2)[0]
 
@@ -136,27 +137,30 @@ KERNELS = ("fp8_per_token_group", "mxfp8", "fp8_per_block", "nvfp4")
 
 
 def nvfp4_sweep(dtype) -> list:
-    """(TileConfig, impl) pairs timed for NVFP4 on a 256 MiB input of `dtype`: the default first, then the old default
-    (v3), the session-19 candidates not yet timed on a GPU (the dynamic schedule; v10 / v11, which compute the global
-    scale once per CTA; v12 / v13, which also look each row's divisor and reciprocal up in a per-CTA table) next to the static configs they would replace, and the best tiling each earlier version
-    reached on the H200 (versions: quantize_nvfp4.IMPLS; measurements: docs/decisions/0006).
+    """(TileConfig, impl) pairs timed for NVFP4 on a 256 MiB input of `dtype`: the default first, then the best configs
+    of session 20's first sweep (v10 - v13, dynamic schedule: results/quantize_nvfp4_h200_s20a.json), then occupancy.
+
+    Why occupancy: Nsight Compute of v6 shows about 8 active warps per SM (230 registers per thread: two 128-thread
+    CTAs fit by registers whatever ctas_per_sm asks) and long-scoreboard stalls ahead of every other reason. v12 / v13
+    need 109 / 117 registers, so four CTAs fit by registers; shorter tiles make them fit by shared memory too
+    (versions: quantize_nvfp4.IMPLS; measurements: docs/decisions/0006).
     """
     T = Q.TileConfig
-    if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, DEFAULT_TILES), then what it replaced
-        return [(T(rows=768, ctas_per_sm=3), "v6"), (T(), "v3"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v6"),
-                (T(rows=768, ctas_per_sm=3), "v10"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v10"),
-                (T(rows=768, ctas_per_sm=3), "v12"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v12"),
-                (T(rows=768, ctas_per_sm=3, schedule="dynamic", auto_barriers=False), "v12"),
-                (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v13"),
-                (T(rows=768, ctas_per_sm=2), "v6"), (T(rows=768, ctas_per_sm=2, schedule="dynamic"), "v6"),
-                (T(rows=768, stages=3, ctas_per_sm=2, schedule="dynamic"), "v12"),
-                (T(rows=512, ctas_per_sm=3, schedule="dynamic"), "v12"), (T(rows=1024, schedule="dynamic"), "v12")]
-    return [(T(rows=768, ctas_per_sm=3), "v7"), (T(), "v3"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v7"),
-            (T(rows=768, ctas_per_sm=3), "v11"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v11"),
-            (T(rows=768, ctas_per_sm=3), "v13"), (T(rows=768, ctas_per_sm=3, schedule="dynamic"), "v13"),
-            (T(rows=768, ctas_per_sm=3, schedule="dynamic", auto_barriers=False), "v13"),
-            (T(rows=512, stages=4), "v7"), (T(rows=512, stages=4, schedule="dynamic"), "v13"),
-            (T(rows=768, ctas_per_sm=3), "v6")]
+    dyn = functools.partial(T, schedule="dynamic")
+    if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, DEFAULT_TILES)
+        return [(T(rows=768, ctas_per_sm=3), "v6"),
+                (dyn(rows=1024), "v12"), (dyn(rows=768, ctas_per_sm=3), "v10"),
+                (dyn(rows=512, ctas_per_sm=4), "v12"), (T(rows=512, ctas_per_sm=4), "v12"),
+                (dyn(rows=640, ctas_per_sm=4), "v12"), (T(rows=640, ctas_per_sm=4), "v12"),
+                (dyn(rows=384, ctas_per_sm=4), "v12"), (dyn(rows=384, stages=3, ctas_per_sm=4), "v12"),
+                (dyn(rows=512, ctas_per_sm=4), "v13"), (dyn(rows=256, stages=4, ctas_per_sm=4), "v12"),
+                (dyn(rows=512, ctas_per_sm=4, auto_barriers=False), "v12")]
+    return [(T(rows=768, ctas_per_sm=3), "v7"),
+            (dyn(rows=768, ctas_per_sm=3), "v11"), (T(rows=768, ctas_per_sm=3), "v13"),
+            (dyn(rows=256, ctas_per_sm=4), "v13"), (T(rows=256, ctas_per_sm=4), "v13"),
+            (dyn(rows=256, stages=3, ctas_per_sm=4), "v13"), (dyn(rows=256, ctas_per_sm=5), "v13"),
+            (dyn(rows=256, ctas_per_sm=4), "v12"), (dyn(rows=384, ctas_per_sm=3), "v13"),
+            (T(rows=768, ctas_per_sm=3), "v6"), (dyn(rows=768, ctas_per_sm=3), "v12")]
 
 
 def ab_cases(kernels):
@@ -284,7 +288,7 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True)
 
 def write_json(out_path: Path, dev, anchor, rows) -> None:
     result = {"device": dev.device_kind, "jax_version": jax.__version__, "copy_anchor": anchor,
-              "anchor_for_pct": "xla_copy", "timing": "median of 5 x (10 calls enqueued back to back) / 10",
+              "anchor_for_pct": "xla_copy", "timing": "median of 11 x (20 calls enqueued back to back) / 20",
               "bytes_moved": "input read once + every output written once",
               "bitwise_vs_contract": "all output bits equal to jaxrl_fp8.precision evaluated by XLA:CPU", "rows": rows}
     out_path.parent.mkdir(parents=True, exist_ok=True)
