@@ -149,18 +149,14 @@ def nvfp4_sweep(dtype) -> list:
     dyn = functools.partial(T, schedule="dynamic")
     if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, DEFAULT_TILES)
         return [(T(rows=768, ctas_per_sm=3), "v6"),
-                (dyn(rows=1024), "v12"), (dyn(rows=768, ctas_per_sm=3), "v10"),
-                (dyn(rows=512, ctas_per_sm=4), "v12"), (T(rows=512, ctas_per_sm=4), "v12"),
-                (dyn(rows=640, ctas_per_sm=4), "v12"), (T(rows=640, ctas_per_sm=4), "v12"),
-                (dyn(rows=384, ctas_per_sm=4), "v12"), (dyn(rows=384, stages=3, ctas_per_sm=4), "v12"),
-                (dyn(rows=512, ctas_per_sm=4), "v13"), (dyn(rows=256, stages=4, ctas_per_sm=4), "v12"),
-                (dyn(rows=512, ctas_per_sm=4, auto_barriers=False), "v12")]
+                (dyn(rows=1024), "v12"), (T(rows=1024), "v12"), (dyn(rows=768, ctas_per_sm=3), "v12"),
+                (dyn(rows=768, ctas_per_sm=3), "v10"), (dyn(rows=768, ctas_per_sm=3), "v13"),
+                (dyn(rows=384, ctas_per_sm=4), "v12"), (T(rows=512, ctas_per_sm=4), "v12"), (dyn(rows=1024), "v10")]
     return [(T(rows=768, ctas_per_sm=3), "v7"),
+            (dyn(rows=768, ctas_per_sm=3), "v12"), (T(rows=768, ctas_per_sm=3), "v12"),
             (dyn(rows=768, ctas_per_sm=3), "v11"), (T(rows=768, ctas_per_sm=3), "v13"),
-            (dyn(rows=256, ctas_per_sm=4), "v13"), (T(rows=256, ctas_per_sm=4), "v13"),
-            (dyn(rows=256, stages=3, ctas_per_sm=4), "v13"), (dyn(rows=256, ctas_per_sm=5), "v13"),
-            (dyn(rows=256, ctas_per_sm=4), "v12"), (dyn(rows=384, ctas_per_sm=3), "v13"),
-            (T(rows=768, ctas_per_sm=3), "v6"), (dyn(rows=768, ctas_per_sm=3), "v12")]
+            (dyn(rows=768, ctas_per_sm=3), "v13"), (dyn(rows=384, ctas_per_sm=3), "v13"), (dyn(rows=1024), "v12"),
+            (dyn(rows=256, ctas_per_sm=5), "v13")]
 
 
 def ab_cases(kernels):
@@ -233,62 +229,79 @@ def config_dict(cfg) -> dict:  # rows None = the kernel's default (8192 // group
     return d
 
 
-def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True) -> None:
+def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True, rounds: int = 3) -> None:
+    """Per case: compile every config and check its bits, then time the copy anchor, XLA and every config in
+    `rounds` interleaved rounds. Why rounds: one config timed once moved by up to 20 % between H200 runs (clock and
+    memory state drift), so a config timed minutes after another was not comparable; interleaved, every config sees
+    the same drift, and each case gets its own copy anchor from the same rounds."""
     dev = jax.devices()[0]
     anchor = copy_anchor(torch_anchor=torch_anchor)
-    copy_gbps = anchor["xla_copy"]["GBps"]
-    print(f"device {dev.device_kind}  jax {jax.__version__}  XLA copy {copy_gbps:.0f} GB/s "
-          f"(torch copy {anchor.get('torch_copy', {}).get('GBps', float('nan')):.0f} GB/s)", flush=True)
+    copy_bytes = 1 << 30
+    copy_x = jnp.ones((copy_bytes // 4,), jnp.float32) * 1.5
+    copy_fn = jax.jit(lambda a: a.copy())
+    print(f"device {dev.device_kind}  jax {jax.__version__}  XLA copy {anchor['xla_copy']['GBps']:.0f} GB/s "
+          f"(torch copy {anchor.get('torch_copy', {}).get('GBps', float('nan')):.0f} GB/s)  rounds {rounds}", flush=True)
     rows = []
     for name, shape, dtype, kernel, xla, cfgs in cases(quick, kernels):
         x = random_input(shape, dtype)
         ref = jax.block_until_ready(xla(x))
         contract = contract_on_cpu(xla, x)
-        xla_ok = host_bits_equal(to_host(ref), contract)
-        moved = nbytes(x) + nbytes(ref if name != "nvfp4" else ref[:2])
-        t = time_call(xla, x)
         base = {"kernel": name, "shape": list(shape), "in_dtype": jnp.dtype(dtype).name,
                 "out_dtypes": [jnp.dtype(a.dtype).name for a in jax.tree.leaves(ref)],
-                "input_MiB": nbytes(x) / MiB, "bytes_moved": moved}
-        rows.append({**base, "impl": "xla_gpu", "config": None, "median_ms": t * 1e3, "GBps": moved / t / 1e9,
-                     "pct_of_copy": 100 * moved / t / 1e9 / copy_gbps, "bitwise_vs_contract": xla_ok})
-        print(f"{name:20s} {str(shape):18s} {rows[-1]['in_dtype']:8s} xla-gpu              {t*1e3:8.3f} ms {moved/t/1e9:7.0f} GB/s "
-              f"{rows[-1]['pct_of_copy']:5.1f}%  bitwise={xla_ok}", flush=True)
+                "input_MiB": nbytes(x) / MiB, "bytes_moved": nbytes(x) + nbytes(ref if name != "nvfp4" else ref[:2])}
+        timed = [({**base, "impl": "xla_gpu", "config": None,
+                   "bitwise_vs_contract": host_bits_equal(to_host(ref), contract)}, xla)]
         del ref
-        for cfg in cfgs:
+        for cfg in cfgs:  # compile and check bits (a failing config is recorded, the sweep goes on)
             fn = jax.jit(lambda a, cfg=cfg: kernel(a, cfg))
+            row = {**base, "impl": "pallas", "config": config_dict(cfg)}
             try:
-                got = jax.block_until_ready(fn(x))
-                got_host = to_host(got)
-                match = host_bits_equal(got_host, contract)
-                detail = None if match else mismatch_detail(got_host, contract, x, name)
-                del got, got_host
-                t = time_call(fn, x)
-                row = {**base, "impl": "pallas", "config": config_dict(cfg), "median_ms": t * 1e3,
-                       "GBps": moved / t / 1e9, "pct_of_copy": 100 * moved / t / 1e9 / copy_gbps, "bitwise_vs_contract": match}
-                if detail is not None:
-                    row["mismatch"] = detail
-                    print(f"  MISMATCH {json.dumps(detail)[:1500]}", flush=True)
-            except Exception as e:  # noqa: BLE001  (a failing config is recorded, the sweep goes on)
-                row = {**base, "impl": "pallas", "config": config_dict(cfg), "error": repr(e)[:500]}
+                got_host = to_host(jax.block_until_ready(fn(x)))
+                row["bitwise_vs_contract"] = host_bits_equal(got_host, contract)
+                if not row["bitwise_vs_contract"]:
+                    row["mismatch"] = mismatch_detail(got_host, contract, x, name)
+                    print(f"  MISMATCH {config_tag(row)} {json.dumps(row['mismatch'])[:1500]}", flush=True)
+                del got_host
+                timed.append((row, fn))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:500]
+                rows.append(row)
+                print(f"{name:20s} {str(shape):18s} pallas {config_tag(row)}: ERROR {row['error'][:300]}", flush=True)
+        copies, per = [], [[] for _ in timed]
+        for _ in range(rounds):
+            copies.append(timing.bench_detail(copy_fn, copy_x, iters=20, reps=5, warmup=2)["median_s"])
+            for i, (_, fn) in enumerate(timed):
+                per[i].append(timing.bench_detail(fn, x, iters=20, reps=11, warmup=2))
+        copy_gbps = 2 * copy_bytes / statistics.median(copies) / 1e9
+        for (row, _), ds in zip(timed, per):
+            t = statistics.median(d["median_s"] for d in ds)
+            row.update({"median_ms": t * 1e3, "GBps": row["bytes_moved"] / t / 1e9,
+                        "pct_of_copy": 100 * row["bytes_moved"] / t / 1e9 / copy_gbps, "case_copy_GBps": copy_gbps,
+                        "round_median_ms": [d["median_s"] * 1e3 for d in ds],
+                        "enqueue_ms_per_call": statistics.median(d["enqueue_median_s"] for d in ds) * 1e3})
             rows.append(row)
-            write_json(out_path, dev, anchor, rows)  # after every config: a sweep cut short keeps what it measured
-            c = row["config"]
-            tag = (f"r{c['rows'] or 'auto'} s{c['stages']} c{c['ctas_per_sm']} {c['division']} {c.get('impl', '')}"
-                   + (" dyn" if c["schedule"] == "dynamic" else "") + ("" if c["auto_barriers"] else " nobar"))
-            if "error" in row:
-                print(f"{name:20s} {str(shape):18s} pallas {tag}: ERROR {row['error'][:300]}", flush=True)
-            else:
-                print(f"{name:20s} {str(shape):18s} {row['in_dtype']:8s} {tag:16s} {row['median_ms']:8.3f} ms "
-                      f"{row['GBps']:7.0f} GB/s {row['pct_of_copy']:5.1f}%  bitwise={match}", flush=True)
-        del x, contract
-        write_json(out_path, dev, anchor, rows)  # after every case, so a cut-off run keeps what it measured
-    print_best(rows, copy_gbps)
+            spread = f"{min(row['round_median_ms']):.3f}-{max(row['round_median_ms']):.3f}"
+            print(f"{name:20s} {str(shape):18s} {row['in_dtype']:8s} {config_tag(row):24s} {t * 1e3:7.3f} ms "
+                  f"(rounds {spread}, enqueue {row['enqueue_ms_per_call']:.3f}) {row['GBps']:6.0f} GB/s "
+                  f"{row['pct_of_copy']:5.1f}% of {copy_gbps:.0f}  bitwise={row['bitwise_vs_contract']}", flush=True)
+        del x, contract, timed
+        write_json(out_path, dev, anchor, rows, rounds)  # after every case, so a cut-off run keeps what it measured
+    print_best(rows)
 
 
-def write_json(out_path: Path, dev, anchor, rows) -> None:
+def config_tag(row) -> str:
+    c = row["config"]
+    if c is None:
+        return "xla-gpu"
+    return (f"r{c['rows'] or 'auto'} s{c['stages']} c{c['ctas_per_sm']} {c['division']} {c.get('impl', '')}"
+            + (" dyn" if c["schedule"] == "dynamic" else "") + ("" if c["auto_barriers"] else " nobar"))
+
+
+def write_json(out_path: Path, dev, anchor, rows, rounds: int) -> None:
     result = {"device": dev.device_kind, "jax_version": jax.__version__, "copy_anchor": anchor,
-              "anchor_for_pct": "xla_copy", "timing": "median of 11 x (20 calls enqueued back to back) / 20",
+              "anchor_for_pct": "case_copy_GBps: the median XLA copy (1 GiB float32) of the case's own rounds",
+              "timing": f"per round: median of 11 x (20 calls enqueued back to back) / 20; median over {rounds} "
+                        "rounds, each round timing the copy anchor, XLA and every config of the case in turn",
               "bytes_moved": "input read once + every output written once",
               "bitwise_vs_contract": "all output bits equal to jaxrl_fp8.precision evaluated by XLA:CPU", "rows": rows}
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -297,8 +310,8 @@ def write_json(out_path: Path, dev, anchor, rows) -> None:
     tmp.replace(out_path)
 
 
-def print_best(rows, copy_gbps):
-    print(f"\nbest config per case (copy anchor {copy_gbps:.0f} GB/s)")
+def print_best(rows):
+    print("\nbest config per case (% of the case's copy anchor)")
     print(f"{'kernel':20s} {'shape':18s} {'dtype':8s} {'MiB':>6s} {'xla GB/s':>9s} {'pallas GB/s':>11s} {'% copy':>7s} config")
     seen = {}
     for r in rows:
@@ -352,8 +365,13 @@ def main() -> None:
     ap.add_argument("--ptx-probe", type=Path, default=None, help="dump PTX to this folder and summarise it")
     ap.add_argument("--kernels", default=",".join(KERNELS),
                     help=f"comma list of kernels to benchmark (default all: {','.join(KERNELS)}); e.g. mxfp8,nvfp4")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved timing rounds per case (every config and the copy anchor once per round); "
+                         "the reported time is the median over rounds")
     ap.add_argument("--no-anchor-torch", action="store_true", help="skip the torch copy anchor (saves its start-up)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:
@@ -365,7 +383,7 @@ def main() -> None:
         raise SystemExit("this benchmark needs a GPU (the kernels are Mosaic GPU); tests cover CPU interpret mode")
     if args.out.suffix != ".json":  # a directory: write quantize_<device>.json in it
         args.out = args.out / "quantize_h200.json"
-    run(args.out, args.quick, kernels, torch_anchor=not args.no_anchor_torch)
+    run(args.out, args.quick, kernels, torch_anchor=not args.no_anchor_torch, rounds=args.rounds)
 
 
 if __name__ == "__main__":

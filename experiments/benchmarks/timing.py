@@ -17,16 +17,28 @@ def bench(fn, *args, iters: int = 20, warmup: int = 3, reps: int = 5) -> tuple[f
     The calls of one repetition are enqueued together and synchronised once, so host dispatch and clock drops
     between calls are not timed; `warmup` calls first absorb compilation and autotuning.
     """
+    d = bench_detail(fn, *args, iters=iters, warmup=warmup, reps=reps)
+    return d["median_s"], d["min_s"]
+
+
+def bench_detail(fn, *args, iters: int = 20, warmup: int = 3, reps: int = 5) -> dict:
+    """bench's loop, with the spread and the host's enqueue time per call (median over reps).
+
+    Why the enqueue time: when enqueuing a call takes about as long as running it, the GPU waits on the host and
+    the median measures dispatch, not the kernel (then a faster kernel can't show).
+    """
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    times = []
+    times, enqueue = [], []
     for _ in range(reps):
         t = time.perf_counter()
         out = [fn(*args) for _ in range(iters)]
+        enqueue.append((time.perf_counter() - t) / iters)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t) / iters)
         del out
-    return statistics.median(times), min(times)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "enqueue_median_s": statistics.median(enqueue)}
 
 
 def write_results(path: str, obj) -> None:
