@@ -511,25 +511,30 @@ IMPLS = ("v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v2", "
 _VALUE_FORMS = {"v4": "v4", "v5": "v5", "v6": "v6", "v7": "v7", "v8": "v7", "v10": "v6", "v11": "v7", "v12": "v6",
                 "v13": "v7"}
 
-# The defaults, from the H200 runs of session 18 (decision record 0006): on the 256 MiB inputs v6 with 768-row tiles
-# at 3 CTAs per SM was the fastest bf16 kernel in every run (55-59 % of copy bandwidth; v3, the default before, 44-46 %)
-# and v7 with the same tiling the fastest float32 one within the runs' noise (66-73 %). On the 32 MiB bf16 input the
-# same tiling was also the fastest in the final same-run benchmark (17.8 %, v3 16.5 %; launch-bound there).
-DEFAULT_TILES = C.TileConfig(rows=768, ctas_per_sm=3)
+# The defaults, from the H200 run of session 20 with five interleaved timing rounds (decision record 0006;
+# results/quantize_nvfp4_h200.json): on the 256 MiB inputs v12 was the fastest version for both dtypes. bfloat16:
+# 1024-row tiles, 2 CTAs per SM, dynamic schedule, 73.3 % of copy bandwidth (v6 at 768 rows / 3 CTAs, the default
+# before: 51.5 %). float32: 768-row tiles, 3 CTAs per SM, static, 82.4 % (v7, the default before: 70.4 %).
+DEFAULT_TILES = C.TileConfig(rows=1024, ctas_per_sm=2, schedule="dynamic")  # bfloat16 (and float16) input
+DEFAULT_TILES_F32 = C.TileConfig(rows=768, ctas_per_sm=3)
+DEFAULT_IMPL = "v12"
 
 
-def _default_tiles(groups: int, rows_per_expert: int) -> C.TileConfig:
-    """DEFAULT_TILES, with shorter tiles when per-expert global scales need tiles that divide an expert's rows (a
-    tile never straddles two global scales; otherwise each expert is quantized by its own launch)."""
-    if groups == 1 or rows_per_expert % DEFAULT_TILES.rows == 0:
-        return DEFAULT_TILES
-    rows = next((r for r in (512, 384, 256, 128) if rows_per_expert % r == 0), DEFAULT_TILES.rows)
-    return dataclasses.replace(DEFAULT_TILES, rows=rows)
+def default_tiles(dtype, groups: int = 1, rows_per_expert: int = 0) -> C.TileConfig:
+    """The measured tiling for input `dtype`, with shorter tiles when per-expert global scales need tiles that divide
+    an expert's rows (a tile never straddles two global scales; otherwise each expert is quantized by its own
+    launch)."""
+    base = DEFAULT_TILES_F32 if jnp.dtype(dtype) == jnp.float32 else DEFAULT_TILES
+    if groups == 1 or rows_per_expert % base.rows == 0:
+        return base
+    rows = next((r for r in (768, 512, 384, 256, 128) if r < base.rows and rows_per_expert % r == 0), base.rows)
+    return dataclasses.replace(base, rows=rows)
 
 
 def default_impl(x) -> str:
-    """The kernel version `nvfp4` uses when the caller names none: v7 for float32 input, v6 otherwise."""
-    return "v7" if jnp.dtype(x.dtype) == jnp.float32 else "v6"
+    """The kernel version `nvfp4` uses when the caller names none (DEFAULT_IMPL, for every input dtype)."""
+    del x
+    return DEFAULT_IMPL
 
 
 @traced_once("four_over_six", "interpret", "config", "impl")
@@ -540,7 +545,7 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
     global_amax: None (the tensor's finite amax, one XLA reduction before the kernel), a scalar, or an
     array of shape x.shape[:1] (one per expert of a stack). Per-token scales are not supported here.
     impl / config: a kernel version of IMPLS and its tiling; None picks the measured defaults (`default_impl`,
-    DEFAULT_TILES). Every version returns the contract's bits.
+    `default_tiles`). Every version returns the contract's bits.
     """
     x = jnp.asarray(x)
     impl = impl or default_impl(x)
@@ -569,7 +574,7 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
     interpret = C.resolve_interpret(interpret)
     shape = global_amax.shape
     rows_per_expert = math.prod(x.shape[1:-1]) * (-(-x.shape[-1] // NVFP4_BLOCK))
-    cfg = config or _default_tiles(groups, rows_per_expert)
+    cfg = config or default_tiles(x.dtype, groups, rows_per_expert)
     with C.interpret_context(interpret):
         if groups > 1 and rows_per_expert % C.tile_rows(cfg, NVFP4_BLOCK):
             outs = [_quantize(x[i], global_amax[i].reshape(1), groups=1, cfg=cfg, interpret=interpret, impl=impl)

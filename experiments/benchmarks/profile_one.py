@@ -5,7 +5,7 @@
 
 The input is the NVFP4 benchmark's 256 MiB case (`quantize.random_input`: normals with one power of two per row, a
 given global amax of 4.0), so a profile reads against quantize.py's timings. Options not given keep the kernel's
-defaults (version by dtype, DEFAULT_TILES).
+defaults (quantize_nvfp4.default_impl, default_tiles by dtype).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 import jaxrl_fp8  # noqa: F401  (sets the precision contract's XLA flags before JAX starts)
 from pallas_kernels import quantize as Q
-from pallas_kernels.quantize_nvfp4 import DEFAULT_TILES
+from pallas_kernels.quantize_nvfp4 import default_tiles
 from quantize import random_input  # noqa: E402  (this folder is on sys.path when the script runs)
 
 
@@ -36,7 +36,7 @@ def main() -> None:
     x = random_input(shape, jnp.dtype(args.dtype))
     given = {k: v for k, v in (("rows", args.rows), ("stages", args.stages), ("ctas_per_sm", args.ctas_per_sm),
                                ("schedule", args.schedule)) if v}
-    cfg = dataclasses.replace(DEFAULT_TILES, **given) if given else None
+    cfg = dataclasses.replace(default_tiles(x.dtype), **given) if given else None
     fn = jax.jit(lambda a: Q.nvfp4(a, global_amax=4.0, config=cfg, impl=args.impl))
     for _ in range(2):
         jax.block_until_ready(fn(x))

@@ -34,6 +34,7 @@ import timing  # noqa: E402  (this folder is on sys.path when the script runs)
 
 from jaxrl_fp8 import precision as P
 from pallas_kernels import quantize as Q
+from pallas_kernels import quantize_nvfp4 as N
 
 MiB = 1 << 20
 
@@ -147,13 +148,13 @@ def nvfp4_sweep(dtype) -> list:
     """
     T = Q.TileConfig
     dyn = functools.partial(T, schedule="dynamic")
-    if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, DEFAULT_TILES)
-        return [(T(rows=768, ctas_per_sm=3), "v6"),
-                (dyn(rows=1024), "v12"), (T(rows=1024), "v12"), (dyn(rows=768, ctas_per_sm=3), "v12"),
+    if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, default_tiles), then the one before
+        return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v6"),
+                (T(rows=1024), "v12"), (dyn(rows=768, ctas_per_sm=3), "v12"),
                 (dyn(rows=768, ctas_per_sm=3), "v10"), (dyn(rows=768, ctas_per_sm=3), "v13"),
                 (dyn(rows=384, ctas_per_sm=4), "v12"), (T(rows=512, ctas_per_sm=4), "v12"), (dyn(rows=1024), "v10")]
-    return [(T(rows=768, ctas_per_sm=3), "v7"),
-            (dyn(rows=768, ctas_per_sm=3), "v12"), (T(rows=768, ctas_per_sm=3), "v12"),
+    return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v7"),
+            (dyn(rows=768, ctas_per_sm=3), "v12"),
             (dyn(rows=768, ctas_per_sm=3), "v11"), (T(rows=768, ctas_per_sm=3), "v13"),
             (dyn(rows=768, ctas_per_sm=3), "v13"), (dyn(rows=384, ctas_per_sm=3), "v13"), (dyn(rows=1024), "v12"),
             (dyn(rows=256, ctas_per_sm=5), "v13")]
@@ -210,7 +211,7 @@ def cases(quick: bool, kernels=KERNELS):
         ("fp8_per_block", (4096, 4096), bf16, *blk, blk_cfgs[:1]),
         ("nvfp4", (32768, 4096), bf16, *nv, nvfp4_sweep(bf16) + nv_div),
         ("nvfp4", (8192, 8192), f32, *nv, nvfp4_sweep(f32)),
-        ("nvfp4", (4096, 4096), bf16, *nv, [(T(), "v6"), (T(), "v3"), (T(rows=768, ctas_per_sm=3), "v6")]),
+        ("nvfp4", (4096, 4096), bf16, *nv, [(N.default_tiles(bf16), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v6")]),
     ]
     out = [c for c in out if c[0] in kernels]
     if quick:

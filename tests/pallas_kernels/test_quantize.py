@@ -223,12 +223,18 @@ def test_nvfp4_edge_cases_interpret(impl):
 
 
 def test_nvfp4_default_tiles_divide_each_experts_rows():
-    """The default 768-row tiles shrink to a divisor of an expert's rows when each expert has its own global scale
-    (a tile never straddles two scales), so a stack stays one launch; the bits are the contract's either way."""
+    """The default tiles (1024 rows for bfloat16, 768 for float32) shrink to a divisor of an expert's rows when each
+    expert has its own global scale (a tile never straddles two scales), so a stack stays one launch; the bits are
+    the contract's either way."""
     from pallas_kernels import quantize_nvfp4 as N
 
-    assert N._default_tiles(1, 1000).rows == 768 and N._default_tiles(8, 768 * 5).rows == 768
-    assert N._default_tiles(8, 4096 * 448).rows == 512 and N._default_tiles(2, 256).rows == 256
+    assert N.default_tiles(BF16).rows == 1024 and N.default_tiles(F32).rows == 768
+    assert N.default_tiles(BF16, 1, 1000).rows == 1024 and N.default_tiles(BF16, 8, 1024 * 5).rows == 1024
+    assert N.default_tiles(BF16, 8, 768 * 5).rows == 768 and N.default_tiles(F32, 8, 768 * 5).rows == 768
+    assert N.default_tiles(F32, 8, 4096 * 448).rows == 512 and N.default_tiles(BF16, 8, 512 * 5).rows == 512
+    assert N.default_tiles(F32, 2, 256).rows == 256 and N.default_tiles(BF16, 8, 4096 * 448).rows == 1024
+    assert N.default_tiles(BF16, 8, 64 * 7).rows == 1024  # no divisor: each expert gets its own launch
+    assert N.default_tiles(BF16, 8, 768 * 5).schedule == "dynamic" and N.default_tiles(F32).schedule == "static"
     x = rand((2, 64, 64), 5, BF16, spread=False) * 3
     gam = jnp.max(jnp.abs(x.astype(F32)).reshape(2, -1), axis=1)
     for a, b, n in zip(Q.nvfp4(x, global_amax=gam, interpret=True), P.quantize_nvfp4(x, global_amax=gam),
@@ -502,7 +508,8 @@ def test_gpu_mxfp8(shape, in_dtype, impl):
     "shape,in_dtype,per_expert",
     [((4096, 4096), BF16, False), ((8, 768, 2048), BF16, True), ((3, 40, 48), F32, True), ((1000, 1000), F32, False)],
 )
-@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", None],
+                         ids=lambda v: v or "default")
 def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
     x = rand(shape, 8, in_dtype, spread=False)
     gam = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1) if per_expert else None
