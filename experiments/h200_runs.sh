@@ -5,6 +5,7 @@
 #   bash experiments/h200_runs.sh breakdown  # FP8 linear fwd+bwd component times (incl. the GEMM tile variants)
 #   bash experiments/h200_runs.sh quantize   # quantize GPU bit tests + the FP8 / MXFP8 quantize benchmark (copy anchor)
 #   bash experiments/h200_runs.sh nvfp4      # NVFP4: GPU bit tests of every version, the version / tiling sweep, SASS, ncu
+#   bash experiments/h200_runs.sh bandwidth  # every quantizer: wall-clock rounds + CUPTI kernel time, 256 MiB and 1 GiB
 #   bash experiments/h200_runs.sh next_tests   # GPU bit tests of the dynamic schedule and NVFP4 v10-v13, their SASS
 #   bash experiments/h200_runs.sh next_timing  # then the NVFP4 sweep (static / dynamic, v6-v13) and ncu SM balance
 #   bash experiments/h200_runs.sh decode     # embedded engine decode, BF16 vs FP8, batch 1 / 32 / 256, roofline
@@ -138,12 +139,18 @@ case "${1:-}" in
         2>&1 | tee "$OUT/quantize_gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed"
     # the FP8 / MXFP8 kernels here (with the dynamic schedule and explicit barriers, about 30 configs); NVFP4's sweep
     # is next_timing's (one call each: both together pass the 10-minute limit)
-    timeout 400 $PY experiments/benchmarks/quantize.py --kernels fp8_per_token_group,mxfp8,fp8_per_block \
+    timeout 400 $PY experiments/benchmarks/quantize.py --kernels fp8_per_token_group,mxfp8,fp8_per_block --rounds 5 \
         --out "$OUT/quantize_h200.json" 2>&1 | quiet | tee "$OUT/quantize.log" ;;
+  bandwidth)  # the #2 measurement (session 20 onwards): NVFP4 sweep, then FP8 / MXFP8, each with 5 interleaved
+              # wall-clock rounds and every config's CUPTI kernel time against the copy's, 256 MiB and 1 GiB inputs
+    timeout 280 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --rounds 5 \
+        --out "$OUT/quantize_nvfp4_h200.json" 2>&1 | quiet | tee "$OUT/quantize_nvfp4.log" | tail -8
+    timeout 280 $PY experiments/benchmarks/quantize.py --kernels fp8_per_token_group,mxfp8,fp8_per_block --rounds 5 \
+        --out "$OUT/quantize_h200.json" 2>&1 | quiet | tee "$OUT/quantize.log" | tail -12 ;;
   decode) $PY experiments/benchmarks/decode.py --batches 1,32,256 --gen-len 64 --repeats 2 --out "$OUT/decode_h200.json" 2>&1 | quiet | tee "$OUT/decode.log" ;;
   mismatch) $PY experiments/mismatch_study.py --sizes "${2:?size name, e.g. moe-60M}" --num-prompts 128 --max-new-tokens 64 \
               --append --out "$OUT/mismatch_h200" --compile-cache /tmp/jax_cache --no-progress 2>&1 | tail -20 ;;
   curves) $PY experiments/recipe_curves.py --steps 100 --set data.prompts_per_step=64 --out "$OUT/recipe_curves_h200" \
               --runs-dir "$OUT/runs" --overwrite 2>&1 | tail -20 ;;
-  *) sed -n 2,13p "$0"; exit 2 ;;
+  *) sed -n 2,14p "$0"; exit 2 ;;
 esac

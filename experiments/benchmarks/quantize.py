@@ -9,7 +9,9 @@ first), so old and new are timed side by side against the same-run copy anchor (
 
 For each kernel and shape: median time per call, bytes moved (each input read once, each output written
 once), GB/s, and that bandwidth as a percentage of the copy measured in the same process (XLA copy of a
-1 GiB buffer, bytes read + written). The XLA version is `jax.jit` of the `jaxrl_fp8.precision` function on
+1 GiB buffer, bytes read + written). Two clocks: wall-clock rounds (`--rounds`: every config and the copy timed in
+turn, median over rounds; host dispatch and the gaps between calls included) and, per config, the kernel's own GPU
+time from CUPTI (`device_time`; `--no-cupti` skips it) against the copy's GPU time. The XLA version is `jax.jit` of the `jaxrl_fp8.precision` function on
 the same input. Every output (kernel and XLA:GPU) is compared bit for bit with the contract evaluated by
 XLA:CPU on the same input.
 `--ptx-probe DIR` instead compiles the kernels once with Mosaic's PTX/ptxas dumps on and prints which
@@ -173,6 +175,9 @@ def ab_cases(kernels):
         ("nvfp4", (32768, 4096), bf16, *nv, nvfp4_sweep(bf16)),
         ("nvfp4", (8192, 8192), f32, *nv, nvfp4_sweep(f32)),
         ("mxfp8", (32768, 4096), bf16, *mx, both + [(T(stages=4), "v2"), (T(ctas_per_sm=4), "v2")]),
+        # 1 GiB: per-call costs (launch, first and last tiles, host dispatch) weigh a quarter as much
+        ("nvfp4", (131072, 4096), bf16, *nv, [(N.default_tiles(bf16), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v6")]),
+        ("nvfp4", (16384, 16384), f32, *nv, [(N.default_tiles(f32), N.DEFAULT_IMPL)]),
     ]
     return [c for c in out if c[0] in kernels]
 
@@ -204,8 +209,10 @@ def cases(quick: bool, kernels=KERNELS):
          blk_cfgs[:3] + [dyn_nobar, T(stages=1), T(stages=1, auto_barriers=False)]),
         ("fp8_per_token_group", (32768, 4096), bf16, *tok, tok_cfgs),
         ("fp8_per_token_group", (4096, 4096), bf16, *tok, tok_cfgs[:1]),
+        ("fp8_per_token_group", (131072, 4096), bf16, *tok, tok_cfgs[:1]),
         ("fp8_per_token_group", (16384, 4096), f32, *tok, tok_f32),
         ("mxfp8", (32768, 4096), bf16, *mx, mx_cfgs),
+        ("mxfp8", (131072, 4096), bf16, *mx, mx_cfgs[:1]),  # 1 GiB: per-call costs weigh a quarter as much
         ("mxfp8", (4096, 4096), bf16, *mx, mx_cfgs[:1]),
         ("fp8_per_block", (64, 1536, 2048), bf16, *blk, blk_cfgs),
         ("fp8_per_block", (4096, 4096), bf16, *blk, blk_cfgs[:1]),
@@ -237,18 +244,49 @@ def batched(fn, k: int):
     return jax.jit(lambda xs: [fn(a) for a in xs])
 
 
+def device_time(fn, arg, iterations: int = 20) -> dict:
+    """GPU time of each kernel `fn` launches, from CUPTI (jax.experimental.mosaic.gpu.profiler.measure), as medians over
+    `iterations` calls: {"total_ms": all kernels of one call, "main_ms" / "main_kernel": the longest one, "kernels"}.
+
+    Why: the wall-clock rounds time a call from enqueue to completion, so host dispatch and the gaps between calls
+    count too (an NVFP4 call on 256 MiB runs about 0.1 ms; its host enqueue took 0.03 - 0.09 ms); the kernel's own
+    bandwidth is bytes / main_ms. An error (CUPTI missing or busy, e.g. under Nsight) is recorded, not raised."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler as mgpu_profiler  # noqa: PLC0415
+
+        _, timings = mgpu_profiler.measure(fn, aggregate=False, iterations=iterations)(arg)
+    except Exception as e:  # noqa: BLE001
+        return {"error": repr(e)[:300]}
+    if not timings:
+        return {"error": "CUPTI recorded no kernel launch"}
+    names = [name for name, _ in timings[0]]
+    medians = [statistics.median(call[k][1] for call in timings) for k in range(len(names))]
+    main = max(range(len(names)), key=medians.__getitem__)
+    return {"total_ms": statistics.median(sum(ms for _, ms in call) for call in timings),
+            "main_ms": medians[main], "main_kernel": names[main],
+            "kernels": [[name, ms] for name, ms in zip(names, medians)], "iterations": iterations}
+
+
 def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True, rounds: int = 3,
-        batch: int = 1) -> None:
+        batch: int = 1, cupti: bool = True) -> None:
     """Per case: compile every config and check its bits, then time the copy anchor, XLA and every config in
     `rounds` interleaved rounds, each timed call running `batch` kernel calls on distinct copies of the input (see
     `batched`; the 1 GiB copy anchor, 0.5 ms a call, is timed one call per dispatch). Why rounds: one config timed once moved by up to 20 % between H200 runs (clock and
     memory state drift), so a config timed minutes after another was not comparable; interleaved, every config sees
-    the same drift, and each case gets its own copy anchor from the same rounds."""
+    the same drift, and each case gets its own copy anchor from the same rounds. With `cupti`, each config's kernels
+    are also timed on the GPU itself (`device_time`), next to the copy's and an elementwise kernel's device time."""
     dev = jax.devices()[0]
     anchor = copy_anchor(torch_anchor=torch_anchor)
     copy_bytes = 1 << 30
     copy_x = jnp.ones((copy_bytes // 4,), jnp.float32) * 1.5
     copy_fn = jax.jit(lambda a: a.copy())
+    if cupti:  # the anchors' own GPU time: a copy may run as a memcpy, which CUPTI's kernel list leaves out
+        anchor["device_time"] = {"xla_copy": device_time(copy_fn, copy_x),
+                                 "xla_elementwise_x2": device_time(jax.jit(lambda a: a * 2.0), copy_x)}
+        dev_anchor = next((2 * copy_bytes / d["total_ms"] / 1e6 for d in anchor["device_time"].values()
+                           if "total_ms" in d), None)
+        anchor["device_time"]["GBps"] = dev_anchor
+        print(f"device-time anchor: {anchor['device_time']}", flush=True)
     print(f"device {dev.device_kind}  jax {jax.__version__}  XLA copy {anchor['xla_copy']['GBps']:.0f} GB/s "
           f"(torch copy {anchor.get('torch_copy', {}).get('GBps', float('nan')):.0f} GB/s)  rounds {rounds}", flush=True)
     rows = []
@@ -286,17 +324,25 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True,
                 d = timing.bench_detail(fn, arg, iters=max(2, 20 // batch), reps=11, warmup=2)
                 per[i].append({k: v / batch for k, v in d.items()})  # per kernel call
         copy_gbps = 2 * copy_bytes / statistics.median(copies) / 1e9
-        for (row, _), ds in zip(timed, per):
+        for (row, fn), ds in zip(timed, per):
             t = statistics.median(d["median_s"] for d in ds)
             row.update({"median_ms": t * 1e3, "GBps": row["bytes_moved"] / t / 1e9,
                         "pct_of_copy": 100 * row["bytes_moved"] / t / 1e9 / copy_gbps, "case_copy_GBps": copy_gbps,
                         "round_median_ms": [d["median_s"] * 1e3 for d in ds],
                         "enqueue_ms_per_call": statistics.median(d["enqueue_median_s"] for d in ds) * 1e3})
+            if cupti:
+                d = row["device_time"] = device_time(fn, x)
+                if "main_ms" in d and anchor["device_time"]["GBps"]:
+                    row["device_pct_of_copy"] = 100 * row["bytes_moved"] / d["main_ms"] / 1e6 / anchor["device_time"]["GBps"]
+                    row["device_pct_of_copy_all_kernels"] = (100 * row["bytes_moved"] / d["total_ms"] / 1e6
+                                                             / anchor["device_time"]["GBps"])
             rows.append(row)
             spread = f"{min(row['round_median_ms']):.3f}-{max(row['round_median_ms']):.3f}"
             print(f"{name:20s} {str(shape):18s} {row['in_dtype']:8s} {config_tag(row):24s} {t * 1e3:7.3f} ms "
                   f"(rounds {spread}, enqueue {row['enqueue_ms_per_call']:.3f}) {row['GBps']:6.0f} GB/s "
-                  f"{row['pct_of_copy']:5.1f}% of {copy_gbps:.0f}  bitwise={row['bitwise_vs_contract']}", flush=True)
+                  f"{row['pct_of_copy']:5.1f}% of {copy_gbps:.0f}  bitwise={row['bitwise_vs_contract']}"
+                  + (f"  | GPU {row['device_time']['main_ms']:.4f} ms {row['device_pct_of_copy']:5.1f}%"
+                     if "device_pct_of_copy" in row else ""), flush=True)
         del x, xs, runs, contract, timed
         write_json(out_path, dev, anchor, rows, rounds, batch)  # after every case, so a cut-off run keeps what it measured
     print_best(rows)
@@ -325,8 +371,10 @@ def write_json(out_path: Path, dev, anchor, rows, rounds: int, batch: int) -> No
 
 
 def print_best(rows):
-    print("\nbest config per case (% of the case's copy anchor)")
-    print(f"{'kernel':20s} {'shape':18s} {'dtype':8s} {'MiB':>6s} {'xla GB/s':>9s} {'pallas GB/s':>11s} {'% copy':>7s} config")
+    """The fastest bitwise config per case by wall-clock rounds, with its CUPTI kernel time as % of the copy's."""
+    print("\nbest config per case (% of copy: wall-clock rounds against the case's copy; GPU: kernel time from CUPTI)")
+    print(f"{'kernel':20s} {'shape':18s} {'dtype':8s} {'MiB':>6s} {'xla GB/s':>9s} {'pallas GB/s':>11s} {'% copy':>7s} "
+          f"{'GPU %':>6s} config")
     seen = {}
     for r in rows:
         key = (r["kernel"], tuple(r["shape"]), r["in_dtype"])
@@ -335,10 +383,12 @@ def print_best(rows):
             seen[key]["xla"] = r
         elif "error" not in r and r["bitwise_vs_contract"] and (seen[key]["best"] is None or r["GBps"] > seen[key]["best"]["GBps"]):
             seen[key]["best"] = r
+    nan = float("nan")
     for (k, s, d), v in seen.items():
-        b = v["best"]
+        b = v["best"] or {}
         print(f"{k:20s} {str(s):18s} {d:8s} {v['xla']['input_MiB']:6.0f} {v['xla']['GBps']:9.0f} "
-              f"{(b['GBps'] if b else float('nan')):11.0f} {(b['pct_of_copy'] if b else float('nan')):7.1f} {b['config'] if b else 'none bitwise'}")
+              f"{b.get('GBps', nan):11.0f} {b.get('pct_of_copy', nan):7.1f} {b.get('device_pct_of_copy', nan):6.1f} "
+              f"{b.get('config', 'none bitwise')}")
 
 
 def ptx_probe(dump_dir: Path) -> None:
@@ -382,9 +432,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved timing rounds per case (every config and the copy anchor once per round); "
                          "the reported time is the median over rounds")
-    ap.add_argument("--batch", type=int, default=8,
+    ap.add_argument("--batch", type=int, default=1,
                     help="kernel calls per host dispatch when timing (one jitted program over that many input copies), "
                          "so that host dispatch can't starve the GPU; 1 = one call per dispatch")
+    ap.add_argument("--no-cupti", action="store_true",
+                    help="skip the CUPTI device-time measurement of every config (kernel time without host dispatch)")
     ap.add_argument("--no-anchor-torch", action="store_true", help="skip the torch copy anchor (saves its start-up)")
     args = ap.parse_args()
     if args.rounds < 1 or args.batch < 1:
@@ -401,7 +453,7 @@ def main() -> None:
     if args.out.suffix != ".json":  # a directory: write quantize_<device>.json in it
         args.out = args.out / "quantize_h200.json"
     run(args.out, args.quick, kernels, torch_anchor=not args.no_anchor_torch, rounds=args.rounds,
-        batch=args.batch)
+        batch=args.batch, cupti=not args.no_cupti)
 
 
 if __name__ == "__main__":
