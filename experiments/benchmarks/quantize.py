@@ -268,7 +268,7 @@ def device_time(fn, arg, iterations: int = 20) -> dict:
 
 
 def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True, rounds: int = 3,
-        batch: int = 1, cupti: bool = True) -> None:
+        batch: int = 1, cupti: bool = True, copy_bytes: int = 1 << 30, reps: int = 11, iters: int = 20) -> None:
     """Per case: compile every config and check its bits, then time the copy anchor, XLA and every config in
     `rounds` interleaved rounds, each timed call running `batch` kernel calls on distinct copies of the input (see
     `batched`; the 1 GiB copy anchor, 0.5 ms a call, is timed one call per dispatch). Why rounds: one config timed once moved by up to 20 % between H200 runs (clock and
@@ -277,7 +277,6 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True,
     are also timed on the GPU itself (`device_time`), next to the copy's and an elementwise kernel's device time."""
     dev = jax.devices()[0]
     anchor = copy_anchor(torch_anchor=torch_anchor)
-    copy_bytes = 1 << 30
     copy_x = jnp.ones((copy_bytes // 4,), jnp.float32) * 1.5
     copy_fn = jax.jit(lambda a: a.copy())
     if cupti:  # the anchors' own GPU time: a copy may run as a memcpy, which CUPTI's kernel list leaves out
@@ -319,9 +318,9 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True,
         xs = [x] + [jnp.array(x, copy=True) for _ in range(batch - 1)]
         runs = [(fn, x) if batch == 1 else (batched(fn, batch), xs) for _, fn in timed]
         for _ in range(rounds):
-            copies.append(timing.bench_detail(copy_fn, copy_x, iters=20, reps=5, warmup=2)["median_s"])
+            copies.append(timing.bench_detail(copy_fn, copy_x, iters=iters, reps=5, warmup=2)["median_s"])
             for i, (fn, arg) in enumerate(runs):
-                d = timing.bench_detail(fn, arg, iters=max(2, 20 // batch), reps=11, warmup=2)
+                d = timing.bench_detail(fn, arg, iters=max(2, iters // batch), reps=reps, warmup=2)
                 per[i].append({k: v / batch for k, v in d.items()})  # per kernel call
         copy_gbps = 2 * copy_bytes / statistics.median(copies) / 1e9
         for (row, fn), ds in zip(timed, per):
@@ -344,7 +343,7 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True,
                   + (f"  | GPU {row['device_time']['main_ms']:.4f} ms {row['device_pct_of_copy']:5.1f}%"
                      if "device_pct_of_copy" in row else ""), flush=True)
         del x, xs, runs, contract, timed
-        write_json(out_path, dev, anchor, rows, rounds, batch)  # after every case, so a cut-off run keeps what it measured
+        write_json(out_path, dev, anchor, rows, rounds, batch, reps, iters)  # after every case, so a cut-off run keeps what it measured
     print_best(rows)
 
 
@@ -356,10 +355,10 @@ def config_tag(row) -> str:
             + (" dyn" if c["schedule"] == "dynamic" else "") + ("" if c["auto_barriers"] else " nobar"))
 
 
-def write_json(out_path: Path, dev, anchor, rows, rounds: int, batch: int) -> None:
+def write_json(out_path: Path, dev, anchor, rows, rounds: int, batch: int, reps: int = 11, iters: int = 20) -> None:
     result = {"device": dev.device_kind, "jax_version": jax.__version__, "copy_anchor": anchor,
               "anchor_for_pct": "case_copy_GBps: the median XLA copy (1 GiB float32) of the case's own rounds",
-              "timing": f"per round: median of 11 x ({max(2, 20 // batch)} dispatches enqueued back to back, each running "
+              "timing": f"per round: median of {reps} x ({max(2, iters // batch)} dispatches enqueued back to back, each running "
                         f"the kernel on {batch} distinct input copies) / kernel calls; median over {rounds} rounds, each "
                         "round timing the copy anchor, XLA and every config of the case in turn",
               "bytes_moved": "input read once + every output written once",
