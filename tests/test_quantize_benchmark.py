@@ -60,6 +60,7 @@ def test_run_checks_bits_times_in_rounds_and_records_failures(bench, monkeypatch
     for r in timed:
         assert len(r["round_median_ms"]) == 2 and r["median_ms"] > 0 and r["case_copy_GBps"] > 0
         assert r["pct_of_copy"] == pytest.approx(100 * r["GBps"] / r["case_copy_GBps"])
+        assert r["pct_of_equal_bytes_copy"] == pytest.approx(100 * r["GBps"] / r["equal_bytes_copy_GBps"])
         assert "error" in r["device_time"]
     ok = [r for r in timed if r["kernel"] != "fp8_per_token_group" or r["in_dtype"] == "bfloat16"]
     assert all(r["bitwise_vs_contract"] for r in ok)

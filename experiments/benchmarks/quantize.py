@@ -314,19 +314,28 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True,
                 row["error"] = repr(e)[:500]
                 rows.append(row)
                 print(f"{name:20s} {str(shape):18s} pallas {config_tag(row)}: ERROR {row['error'][:300]}", flush=True)
-        copies, per = [], [[] for _ in timed]
+        copies, eq_copies, per = [], [], [[] for _ in timed]
+        # the equal-bytes copy: a copy moving as many bytes per call as the kernel (same per-call costs, same size)
+        eq_x = jnp.ones((max(base["bytes_moved"] // 8, 1),), jnp.float32)
         xs = [x] + [jnp.array(x, copy=True) for _ in range(batch - 1)]
         runs = [(fn, x) if batch == 1 else (batched(fn, batch), xs) for _, fn in timed]
         for _ in range(rounds):
             copies.append(timing.bench_detail(copy_fn, copy_x, iters=iters, reps=5, warmup=2)["median_s"])
+            eq_copies.append(timing.bench_detail(copy_fn, eq_x, iters=iters, reps=5, warmup=2)["median_s"])
             for i, (fn, arg) in enumerate(runs):
                 d = timing.bench_detail(fn, arg, iters=max(2, iters // batch), reps=reps, warmup=2)
                 per[i].append({k: v / batch for k, v in d.items()})  # per kernel call
         copy_gbps = 2 * copy_bytes / statistics.median(copies) / 1e9
+        eq_bytes = 8 * eq_x.shape[0]
+        eq_gbps = eq_bytes / statistics.median(eq_copies) / 1e9
+        eq_dev = device_time(jax.jit(lambda a: a * 2.0), eq_x) if cupti else {}
+        eq_dev_gbps = eq_bytes / eq_dev["total_ms"] / 1e6 if "total_ms" in eq_dev else None
         for (row, fn), ds in zip(timed, per):
             t = statistics.median(d["median_s"] for d in ds)
             row.update({"median_ms": t * 1e3, "GBps": row["bytes_moved"] / t / 1e9,
                         "pct_of_copy": 100 * row["bytes_moved"] / t / 1e9 / copy_gbps, "case_copy_GBps": copy_gbps,
+                        "equal_bytes_copy_GBps": eq_gbps,
+                        "pct_of_equal_bytes_copy": 100 * row["bytes_moved"] / t / 1e9 / eq_gbps,
                         "round_median_ms": [d["median_s"] * 1e3 for d in ds],
                         "enqueue_ms_per_call": statistics.median(d["enqueue_median_s"] for d in ds) * 1e3})
             if cupti:
@@ -335,14 +344,20 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True,
                     row["device_pct_of_copy"] = 100 * row["bytes_moved"] / d["main_ms"] / 1e6 / anchor["device_time"]["GBps"]
                     row["device_pct_of_copy_all_kernels"] = (100 * row["bytes_moved"] / d["total_ms"] / 1e6
                                                              / anchor["device_time"]["GBps"])
+                if "main_ms" in d and eq_dev_gbps:  # against an elementwise kernel moving the same bytes
+                    row["equal_bytes_elementwise_device_GBps"] = eq_dev_gbps
+                    row["device_pct_of_equal_bytes_elementwise"] = 100 * row["bytes_moved"] / d["main_ms"] / 1e6 / eq_dev_gbps
             rows.append(row)
             spread = f"{min(row['round_median_ms']):.3f}-{max(row['round_median_ms']):.3f}"
             print(f"{name:20s} {str(shape):18s} {row['in_dtype']:8s} {config_tag(row):24s} {t * 1e3:7.3f} ms "
                   f"(rounds {spread}, enqueue {row['enqueue_ms_per_call']:.3f}) {row['GBps']:6.0f} GB/s "
-                  f"{row['pct_of_copy']:5.1f}% of {copy_gbps:.0f}  bitwise={row['bitwise_vs_contract']}"
+                  f"{row['pct_of_copy']:5.1f}% of {copy_gbps:.0f} ({row['pct_of_equal_bytes_copy']:5.1f}% of equal-bytes "
+                  f"{eq_gbps:.0f})  bitwise={row['bitwise_vs_contract']}"
                   + (f"  | GPU {row['device_time']['main_ms']:.4f} ms {row['device_pct_of_copy']:5.1f}%"
-                     if "device_pct_of_copy" in row else ""), flush=True)
-        del x, xs, runs, contract, timed
+                     if "device_pct_of_copy" in row else "")
+                  + (f" ({row['device_pct_of_equal_bytes_elementwise']:5.1f}% eq)"
+                     if "device_pct_of_equal_bytes_elementwise" in row else ""), flush=True)
+        del x, xs, runs, contract, timed, eq_x
         write_json(out_path, dev, anchor, rows, rounds, batch, reps, iters)  # after every case, so a cut-off run keeps what it measured
     print_best(rows)
 
@@ -357,7 +372,9 @@ def config_tag(row) -> str:
 
 def write_json(out_path: Path, dev, anchor, rows, rounds: int, batch: int, reps: int = 11, iters: int = 20) -> None:
     result = {"device": dev.device_kind, "jax_version": jax.__version__, "copy_anchor": anchor,
-              "anchor_for_pct": "case_copy_GBps: the median XLA copy (1 GiB float32) of the case's own rounds",
+              "anchor_for_pct": "case_copy_GBps: the median XLA copy (1 GiB float32) of the case's own rounds; "
+                                "equal_bytes_copy_GBps: an XLA copy moving the kernel's bytes_moved per call, same rounds; "
+                                "device_*: CUPTI kernel time against x * 2 (1 GiB, and moving the kernel's bytes)",
               "timing": f"per round: median of {reps} x ({max(2, iters // batch)} dispatches enqueued back to back, each running "
                         f"the kernel on {batch} distinct input copies) / kernel calls; median over {rounds} rounds, each "
                         "round timing the copy anchor, XLA and every config of the case in turn",
@@ -436,12 +453,15 @@ def main() -> None:
                          "meant to keep host dispatch from starving the GPU; 1 (default) = one call per dispatch. "
                          "On the H200 (session 20) 8 made every 256 MiB config 2-17 %% slower per call (median 10 %%), "
                          "unexplained: compare with the CUPTI kernel times")
+    ap.add_argument("--iters", type=int, default=50,
+                    help="calls enqueued back to back per timed repetition (default 50): the first call's enqueue and "
+                         "launch latency is not overlapped, so fewer calls charge a 0.1 ms kernel more of it per call")
     ap.add_argument("--no-cupti", action="store_true",
                     help="skip the CUPTI device-time measurement of every config (kernel time without host dispatch)")
     ap.add_argument("--no-anchor-torch", action="store_true", help="skip the torch copy anchor (saves its start-up)")
     args = ap.parse_args()
-    if args.rounds < 1 or args.batch < 1:
-        raise SystemExit(f"--rounds and --batch must be >= 1, got {args.rounds} and {args.batch}")
+    if args.rounds < 1 or args.batch < 1 or args.iters < 2:
+        raise SystemExit(f"--rounds and --batch must be >= 1 and --iters >= 2, got {args.rounds}, {args.batch}, {args.iters}")
     kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:
@@ -454,7 +474,7 @@ def main() -> None:
     if args.out.suffix != ".json":  # a directory: write quantize_<device>.json in it
         args.out = args.out / "quantize_h200.json"
     run(args.out, args.quick, kernels, torch_anchor=not args.no_anchor_torch, rounds=args.rounds,
-        batch=args.batch, cupti=not args.no_cupti)
+        batch=args.batch, cupti=not args.no_cupti, iters=args.iters)
 
 
 if __name__ == "__main__":
