@@ -15,6 +15,8 @@ If `pipeline` is far below `elementwise`, the tiling (not the math) is what a fa
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -38,17 +40,22 @@ from pallas_kernels import quantize_nvfp4 as N  # noqa: E402
 BLOCK = 16
 
 
-def _pipeline_body(t, x_ref, packed_ref, bs_ref, *, in_dtype):
-    """Per thread and row: load the row (the kernel's layout), XOR its 16-byte vectors, store 8 bytes + 1 byte."""
+def _pipeline_body(t, x_ref, *out_refs, in_dtype, outputs):
+    """Per thread and row: load the row (the kernel's layout), XOR its 16-byte vectors, store 8 bytes + 1 byte (only
+    the `outputs` the probe streams; with none the body is empty: the TMA loads alone)."""
     del t
+    if not outputs:
+        return
     layout = C.row_layout(BLOCK, in_dtype)
+    refs = dict(zip(outputs, out_refs))
 
-    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), plgpu.RefType()), return_type=None)
-    def body(ctx, x, packed, bs_out):
+    @plgpu.inline_mgpu(arg_types=(layout,) + (plgpu.RefType(),) * len(outputs), return_type=None)
+    def body(ctx, x, *out):
         del ctx
         o = C.MlirOps()
         index = ir.IndexType.get()
         regs = x.registers
+        named = dict(zip(outputs, out))
         n_rows, n_vec = regs.shape[0], regs.shape[-2]
         rows = [idx[0] for idx, _ in zip(x.layout.thread_idxs(x.shape), range(regs.size))]
         for j in range(n_rows):
@@ -60,26 +67,32 @@ def _pipeline_body(t, x_ref, packed_ref, bs_ref, *, in_dtype):
                 ws = [arith.xori(ws[0], ws[2]), arith.xori(ws[1], ws[3])]
                 words = ws if words is None else [arith.xori(a, b) for a, b in zip(words, ws)]
             row = rows[j * n_vec]
-            vec8 = vector.bitcast(ir.VectorType.get((8,), o.i8), vector.from_elements(ir.VectorType.get((2,), o.i32), words))
-            vector.store(vec8, packed, [arith.muli(row, arith.constant(index, BLOCK // 2))])
-            memref.store(arith.trunci(o.i8, words[0]), bs_out, [row])
+            if "packed" in named:
+                vec8 = vector.bitcast(ir.VectorType.get((8,), o.i8),
+                                      vector.from_elements(ir.VectorType.get((2,), o.i32), words))
+                vector.store(vec8, named["packed"], [arith.muli(row, arith.constant(index, BLOCK // 2))])
+            if "bs" in named:
+                memref.store(arith.trunci(o.i8, words[0]), named["bs"], [row])
 
-    body(plgpu.load(x_ref, layout=layout), packed_ref, bs_ref)
+    body(plgpu.load(x_ref, layout=layout), *(refs[k] for k in outputs))
 
 
-def pipeline_only(x, cfg: C.TileConfig):
-    """The NVFP4 kernel's persistent pipeline with a data-moving body (not a quantizer: its bytes mean nothing)."""
+def pipeline_only(x, cfg: C.TileConfig, outputs=("packed", "bs")):
+    """The NVFP4 kernel's persistent pipeline with a data-moving body (not a quantizer: its bytes mean nothing).
+    outputs: which of the kernel's two streamed outputs the probe keeps (fewer: what the others cost)."""
     r = math.prod(x.shape) // BLOCK
     tr = C.tile_rows(cfg, BLOCK)
     half = BLOCK // 2
+    shapes = {"packed": (r * half, tr * half), "bs": (r, tr)}
     call = C.persistent_kernel(
-        lambda t, x_ref, p_ref, b_ref: _pipeline_body(t, x_ref, p_ref, b_ref, in_dtype=jnp.dtype(x.dtype)),
+        functools.partial(_pipeline_body, in_dtype=jnp.dtype(x.dtype), outputs=tuple(outputs)),
         name="nvfp4_pipeline_only",
-        out_shapes=[jax.ShapeDtypeStruct((r * half,), jnp.uint8), jax.ShapeDtypeStruct((r,), jnp.uint8)],
+        out_shapes=[jax.ShapeDtypeStruct((shapes[k][0],), jnp.uint8) for k in outputs],
         in_tiles=[((tr, BLOCK), x.dtype, C.swizzle_transforms(BLOCK, x.dtype), lambda gm, t: gm.at[pl_ds(t * tr, tr)])],
-        out_tiles=[((tr * half,), jnp.uint8, (), lambda gm, t: gm.at[pl_ds(t * tr * half, tr * half)]),
-                   ((tr,), jnp.uint8, (), lambda gm, t: gm.at[pl_ds(t * tr, tr)])],
-        ntiles=-(-r // tr), cfg=cfg, interpret=False)
+        out_tiles=[((shapes[k][1],), jnp.uint8, (), lambda gm, t, n=shapes[k][1]: gm.at[pl_ds(t * n, n)])
+                   for k in outputs],
+        ntiles=-(-r // tr), cfg=cfg, interpret=False,
+        extra_out=[] if outputs else [jax.ShapeDtypeStruct((16,), jnp.float32)])
     return call(x.reshape(r, BLOCK))
 
 
@@ -98,12 +111,14 @@ def configs(dtype):
     T, dyn = C.TileConfig, (lambda **k: C.TileConfig(schedule="dynamic", **k))
     base = [(N.default_tiles(dtype), "v12")]
     if dtype == jnp.float32:
-        return base + [(T(rows=768, ctas_per_sm=3), "v13")]
+        return base + [(dyn(rows=1024, stages=3, ctas_per_sm=1), "v12"), (dyn(rows=768, stages=4, ctas_per_sm=1), "v12")]
     return base + [
-        (T(rows=1024), "v12"), (dyn(rows=1024), "v10"),
-        (dyn(rows=768, stages=3), "v12"), (dyn(rows=512, stages=3, ctas_per_sm=3), "v12"),
-        (dyn(rows=512, stages=4), "v12"), (dyn(rows=384, stages=3, ctas_per_sm=4), "v12"),
-        (dyn(rows=1024, stages=3, ctas_per_sm=1), "v12"), (dyn(rows=256, stages=4, ctas_per_sm=4), "v12"),
+        (dyn(rows=1024, stages=3, ctas_per_sm=1), "v12"), (dyn(rows=1024, stages=4, ctas_per_sm=1), "v12"),
+        (dyn(rows=1024, stages=5, ctas_per_sm=1), "v12"), (dyn(rows=1280, stages=4, ctas_per_sm=1), "v12"),
+        (dyn(rows=1536, stages=3, ctas_per_sm=1), "v12"), (dyn(rows=1536, stages=2, ctas_per_sm=1), "v12"),
+        (dyn(rows=2048, stages=2, ctas_per_sm=1), "v12"), (T(rows=1536, stages=3, ctas_per_sm=1), "v12"),
+        (T(rows=1024, stages=4, ctas_per_sm=1), "v12"), (dyn(rows=1536, stages=3, ctas_per_sm=1, auto_barriers=False), "v12"),
+        (dyn(rows=1024, stages=4, ctas_per_sm=1, auto_barriers=False), "v12"),
     ]
 
 
@@ -156,6 +171,33 @@ def main() -> None:
                   f"{row['elementwise'].get('main_ms', float('nan')):.4f} ms  same bits {row.get('same_bits_as_default')}"
                   + (f"  ERR {row['kernel'].get('error', '')[:200]} {row['pipeline'].get('error', '')[:200]}"
                      if "error" in row["kernel"] or "error" in row["pipeline"] else ""), flush=True)
+            timing.write_results(str(args.out), {"device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+                                                 "what": __doc__.strip().splitlines()[0], "rows": rows})
+        if dtype == jnp.bfloat16:  # what each part of the pipeline costs: fewer outputs, none; float32 tiles of equal bytes
+            cfg = N.default_tiles(dtype)
+            probes = [("packed", ("packed",), x), ("none", (), x)]
+            xf = jax.lax.bitcast_convert_type(x.reshape(-1, 2), jnp.float32).reshape(-1, BLOCK)  # same bytes, half the rows
+            probes.append(("f32_view_r512", ("packed", "bs"), xf))
+            for tag, outs, arg in probes:
+                c = cfg if tag != "f32_view_r512" else dataclasses.replace(cfg, rows=512)
+                try:
+                    pfn = jax.jit(lambda a, c=c, outs=outs: pipeline_only(a, c, outs))
+                    jax.block_until_ready(pfn(arg))
+                    d = QB.device_time(pfn, arg, iterations=args.iterations)
+                except Exception as e:  # noqa: BLE001
+                    d = {"error": repr(e)[:400]}
+                moved = QB.nbytes(arg) + (arg.size // 2 if "packed" in outs else 0) + (arg.size // BLOCK if "bs" in outs else 0)
+                eq = jnp.ones((moved // 8,), jnp.float32)
+                e = QB.device_time(jax.jit(lambda a: a * 2.0), eq, iterations=args.iterations)
+                del eq
+                probe = {"probe": tag, "outputs": list(outs), "config": QB.config_dict(c), "bytes_moved": moved,
+                         "pipeline": d, "elementwise": e}
+                if "main_ms" in d and "main_ms" in e:
+                    probe["pipeline_pct_of_elementwise"] = 100 * e["main_ms"] / d["main_ms"]
+                rows.append(probe)
+                print(f"probe {tag:14s} outputs {outs}  pipeline {d.get('main_ms', float('nan')):.4f} ms  "
+                      f"elementwise {e.get('main_ms', float('nan')):.4f} ms  "
+                      f"{probe.get('pipeline_pct_of_elementwise', float('nan')):5.1f}%  {d.get('error', '')[:300]}", flush=True)
             timing.write_results(str(args.out), {"device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
                                                  "what": __doc__.strip().splitlines()[0], "rows": rows})
         del x, ref
