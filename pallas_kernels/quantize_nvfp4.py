@@ -142,7 +142,7 @@ def _tile_scalars_gpu(amax, group, g_ref):
 
 
 def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_rows: bool = False,
-            value_form: str = "v2", scalars=None, table=None):
+            value_form: str = "v2", scalars=None, table=None, blocks_per_row: int = 1):
     """GPU body of one tile: x [tr, 16] in C.row_layout, amax / group scalars; writes packed, bs and g.
 
     branch_free_rows (impl "v3"): the same bits with less latency per row. The per-row divisions amax / 6 and
@@ -188,8 +188,11 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
     table: the CTA's [128, 4] float32 SMEM table of `_build_scale_table_gpu` (impl "v12" / "v13"): each row's divisor,
       RN(1/divisor) and word mask are one 16-byte load at its scale byte instead of the e4m3 decode, d = bs * g, the
       d == 0 test and the reciprocal sequence (about 20 instructions and the row chain's longest latency).
+    blocks_per_row (impl "v14" / "v15"): x is [tr / blocks_per_row, 16 * blocks_per_row], each thread's row holding
+      that many consecutive 16-value blocks (`wide_blocks_per_row`); block b of tile row i is NVFP4 row
+      i * blocks_per_row + b, so the outputs keep their order. A row's packed words leave in 16-byte stores.
     """
-    layout = C.row_layout(NVFP4_BLOCK, in_dtype)
+    layout = C.row_layout(NVFP4_BLOCK * blocks_per_row, in_dtype)
     splat = plgpu.Layout.WG_SPLAT
 
     @plgpu.inline_mgpu(
@@ -216,6 +219,7 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
             g_is_inf = o.arith.cmpf(o.arith.CmpFPredicate.OEQ, r_g, o.f(0.0))
         regs = x.registers
         n_rows, n_vec = regs.shape[0], regs.shape[-2]
+        nvb = n_vec // blocks_per_row  # 16-byte vectors per 16-value block
         rows = [idx[0] for idx, _ in zip(x.layout.thread_idxs(x.shape), range(regs.size))]
 
         v4 = value_form in ("v4", "v5", "v6", "v7")
@@ -223,18 +227,18 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
         # v4 / v5: one Markstein correction is RN(a / b) for every float32 a and b (C._MARKSTEIN_ONCE_PTX)
         divide = o.markstein_once if v4 else o.markstein
 
-        def raw_words(j):
-            """The row's bf16x2 words (value 2i in the low half of word i), four per vector of 8 bf16."""
+        def raw_words(j, b):
+            """Block b of row j as bf16x2 words (value 2i in the low half of word i), four per vector of 8 bf16."""
             words = []
-            for k in range(n_vec):
+            for k in range(b * nvb, (b + 1) * nvb):
                 w4 = vector.bitcast(ir.VectorType.get((4,), o.i32), regs[(j, 0, 0, 0, 0, k, 0)])
                 words += [vector.extract(w4, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
                           for i in range(4)]
             return words
 
-        def row_chain(j):
+        def row_chain(j, b):
             vals = []
-            for k in range(n_vec):
+            for k in range(b * nvb, (b + 1) * nvb):
                 reg = regs[(j, 0, 0, 0, 0, k, 0)]
                 [width] = ir.VectorType(reg.type).shape
                 for e in range(width):
@@ -262,9 +266,10 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
             mask, dd, r = _row_divisor(o, byte, g, branch_free_reciprocal=value_form in ("v5", "v6", "v7"))
             return vals, byte, mask, dd, r
 
-        def row_values(j, vals, byte, mask, dd, r):
+        def block_words(j, b, vals, byte, mask, dd, r):
+            """The two packed words of block b of row j (codes of values 0-7 and 8-15), masked."""
             words = []
-            raw = raw_words(j) if v6 and in_dtype == jnp.bfloat16 else None
+            raw = raw_words(j, b) if v6 and in_dtype == jnp.bfloat16 else None
             for half in range(2):
                 xs = vals[half * 8:(half + 1) * 8]
                 if v6:
@@ -281,22 +286,35 @@ def _v2_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, branch_free_
                         code = code if e == 0 else o.shl(code, 4 * e)
                         w = code if w is None else o.or_(w, code)
                 words.append(arith.andi(w, mask))
-            # rows[j * n_vec] is this thread's row of register (j, ..., 0)
-            row = rows[j * n_vec]
-            vec2 = vector.from_elements(ir.VectorType.get((2,), o.i32), words)
-            vec8 = vector.bitcast(ir.VectorType.get((8,), o.i8), vec2)
-            vector.store(vec8, packed, [arith.muli(row, arith.constant(index, NVFP4_BLOCK // 2))])
-            memref.store(arith.trunci(o.i8, byte), bs_out, [row])
+            return words
 
-        if branch_free_rows:
-            in_flight = 2 if v6 else n_rows  # rows whose chains are emitted before their values
-            for j0 in range(0, n_rows, in_flight):
-                chains = [row_chain(j) for j in range(j0, min(j0 + in_flight, n_rows))]
-                for j, chain in enumerate(chains, start=j0):
-                    row_values(j, *chain)
-        else:
-            for j in range(n_rows):
-                row_values(j, *row_chain(j))
+        def store_row(j, words, scale_bytes):
+            """Row j's packed words (2 per block) at its first block's byte offset, in 8- or 16-byte stores; one scale
+            byte per block. rows[j * n_vec] is this thread's row of register (j, ..., 0)."""
+            row = rows[j * n_vec]
+            first = arith.muli(row, arith.constant(index, blocks_per_row)) if blocks_per_row > 1 else row
+            per_store = 4 if len(words) % 4 == 0 else 2
+            for s0 in range(0, len(words), per_store):
+                vec = vector.from_elements(ir.VectorType.get((per_store,), o.i32), words[s0:s0 + per_store])
+                vec = vector.bitcast(ir.VectorType.get((4 * per_store,), o.i8), vec)
+                offset = arith.addi(arith.muli(first, arith.constant(index, NVFP4_BLOCK // 2)),
+                                    arith.constant(index, 4 * s0))
+                vector.store(vec, packed, [offset])
+            for b, byte in enumerate(scale_bytes):
+                memref.store(arith.trunci(o.i8, byte), bs_out, [arith.addi(first, arith.constant(index, b))])
+
+        units = [(j, b) for j in range(n_rows) for b in range(blocks_per_row)]
+        # blocks whose chains are emitted before their values
+        in_flight = (2 if v6 else len(units)) if branch_free_rows else 1
+        words, scale_bytes = {}, {}
+        for u0 in range(0, len(units), in_flight):
+            group_units = units[u0:u0 + in_flight]
+            chains = [row_chain(j, b) for j, b in group_units]
+            for (j, b), chain in zip(group_units, chains):
+                words.setdefault(j, []).extend(block_words(j, b, *chain))
+                scale_bytes.setdefault(j, []).append(chain[1])
+                if b == blocks_per_row - 1:
+                    store_row(j, words.pop(j), scale_bytes.pop(j))
 
     body(x, amax, group, packed_ref, bs_ref, g_ref, *(scalars or ()), *(() if table is None else (table,)))
 
@@ -377,14 +395,16 @@ def _v2_interpret(x, g, value_form: str = "v2", in_dtype=jnp.float32):
 
 
 def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, hoisted=None, *, rows_per_group, tr, mode,
-                   in_dtype, branch_free_rows=False, value_form="v2", slab_loop=False):
+                   in_dtype, branch_free_rows=False, value_form="v2", slab_loop=False, blocks_per_row=1):
     """One tile. hoisted: (g, RN(1/g)) computed once per CTA by `_hoisted_scalars_gpu` (impl v10 / v11, one global
-    scale, GPU): then no tile loads the amax or divides for g, and nothing splits the tile's code at its start."""
+    scale, GPU): then no tile loads the amax or divides for g, and nothing splits the tile's code at its start.
+    blocks_per_row > 1 (v14 / v15): x_ref is the tile as [tr / blocks_per_row, 16 * blocks_per_row]."""
+    wide = dict(blocks_per_row=blocks_per_row) if blocks_per_row > 1 else {}
     if hoisted is not None:
-        layout = C.row_layout(NVFP4_BLOCK, in_dtype)
+        layout = C.row_layout(NVFP4_BLOCK * blocks_per_row, in_dtype)
         _v2_gpu(plgpu.load(x_ref, layout=layout), F32(0.0), jnp.int32(0), packed_ref, bs_ref, g_gmem,
                 in_dtype=in_dtype, branch_free_rows=True, value_form=value_form, scalars=hoisted[:2],
-                table=hoisted[2] if len(hoisted) > 2 else None)
+                table=hoisted[2] if len(hoisted) > 2 else None, **wide)
         return
     group = (t * tr) // rows_per_group  # tiles never straddle two global scales
     amax = jnp.maximum(amax_gmem[group], F32(AMAX_FLOOR))
@@ -393,7 +413,7 @@ def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, hoisted=None
         g = amax / lax.optimization_barrier(F32(GLOBAL_DIVISOR))
         g_gmem[group] = g
         if not slab_loop:
-            packed, bs = _v2_interpret(x_ref[...].astype(F32), g, value_form, in_dtype)
+            packed, bs = _v2_interpret(x_ref[...].astype(F32).reshape(tr, NVFP4_BLOCK), g, value_form, in_dtype)
             packed_ref[...] = packed
             bs_ref[...] = bs
             return
@@ -406,11 +426,11 @@ def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, hoisted=None
             bs_ref.at[pl.ds(r0, C.SLAB_ROWS)][...] = bs
 
         return
-    layout, group = C.row_layout(NVFP4_BLOCK, in_dtype), group.astype(jnp.int32)
+    layout, group = C.row_layout(NVFP4_BLOCK * blocks_per_row, in_dtype), group.astype(jnp.int32)
     if not slab_loop:
         x = plgpu.load(x_ref, layout=layout)
         _v2_gpu(x, amax, group, packed_ref, bs_ref, g_gmem, in_dtype=in_dtype, branch_free_rows=branch_free_rows,
-                value_form=value_form)
+                value_form=value_form, **wide)
         return
     # impl "v8": one 128-row slab (one row per thread) per loop step, so only one row's values are live
     scalars = _tile_scalars_gpu(amax, group, g_gmem)
@@ -449,28 +469,31 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     rows_per_group = r // groups
     if groups > 1 and rows_per_group % tr:
         raise ValueError(f"per-group global scales need {rows_per_group} rows per group to be a multiple of {tr}")
-    rp = -(-r // C.ROW_PAD) * C.ROW_PAD
+    bpr = wide_blocks_per_row(x.dtype) if impl in WIDE_IMPLS else 1
+    rp = -(-r // (C.ROW_PAD * bpr)) * C.ROW_PAD * bpr  # tile rows (rp / bpr) stay a multiple of the TMA tiling's 8
     x2 = xp.reshape(r, NVFP4_BLOCK)
     if rp != r:
         x2 = jnp.pad(x2, [(0, rp - r), (0, 0)])
+    x2 = x2.reshape(rp // bpr, NVFP4_BLOCK * bpr)
     gpad = (-groups) % 4  # >= 16 bytes
     amax = jnp.pad(global_amax.astype(F32), (0, gpad))
     ntiles = pl.cdiv(rp, tr)
     half = NVFP4_BLOCK // 2
     v2 = impl != "v1"  # every version but the first keeps one row per thread
     mode = C.div_mode(interpret, cfg)
-    hoist = impl in ("v10", "v11", "v12", "v13") and groups == 1 and mode != C.INTERPRET
-    table = hoist and impl in ("v12", "v13")
+    hoist = impl in ("v10", "v11", "v12", "v13", "v14", "v15") and groups == 1 and mode != C.INTERPRET
+    table = hoist and impl in ("v12", "v13", "v14", "v15")
     if v2:
-        if tr % C.SLAB_ROWS:
-            raise ValueError(f"nvfp4 impl={impl!r} keeps one row per thread in {C.SLAB_ROWS}-row slabs: "
-                             f"TileConfig.rows must be a multiple of {C.SLAB_ROWS}, got {tr}")
+        if tr % (C.SLAB_ROWS * bpr):
+            raise ValueError(f"nvfp4 impl={impl!r} keeps one row of {bpr} block(s) per thread in {C.SLAB_ROWS}-row slabs: "
+                             f"TileConfig.rows must be a multiple of {C.SLAB_ROWS * bpr}, got {tr}")
         if mode not in (C.INTERPRET, C.MARKSTEIN):
             raise ValueError(f"nvfp4 impl={impl!r} divides with the Markstein sequence only (division={cfg.division!r}); use impl='v1'")
         body = functools.partial(_nvfp4_body_v2, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode,
                                  in_dtype=jnp.dtype(x.dtype),
                                  branch_free_rows=impl != "v2",
-                                 value_form=_VALUE_FORMS.get(impl, "v2"), slab_loop=impl == "v8")
+                                 value_form=_VALUE_FORMS.get(impl, "v2"), slab_loop=impl == "v8",
+                                 blocks_per_row=bpr)
     else:
         body = functools.partial(_nvfp4_body, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode)
     bs_dtype = jnp.uint8 if v2 else E4M3  # v2 writes the scale bytes as integers (bitcast after the kernel)
@@ -478,8 +501,8 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
         body,
         name="quantize_nvfp4" + (f"_{impl}" if v2 else ""),
         out_shapes=[jax.ShapeDtypeStruct((rp * half,), jnp.uint8), jax.ShapeDtypeStruct((rp,), bs_dtype)],
-        in_tiles=[((tr, NVFP4_BLOCK), x.dtype, C.swizzle_transforms(NVFP4_BLOCK, x.dtype),
-                   lambda gm, t: gm.at[pl.ds(t * tr, tr)])],
+        in_tiles=[((tr // bpr, NVFP4_BLOCK * bpr), x.dtype, C.swizzle_transforms(NVFP4_BLOCK * bpr, x.dtype),
+                   lambda gm, t: gm.at[pl.ds(t * (tr // bpr), tr // bpr)])],
         out_tiles=[
             ((tr * half,), jnp.uint8, (), lambda gm, t: gm.at[pl.ds(t * tr * half, tr * half)]),
             ((tr,), bs_dtype, (), lambda gm, t: gm.at[pl.ds(t * tr, tr)]),
@@ -506,10 +529,21 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
 # words; v7: v6 with the E2M1 magnitude on the FMA pipe; v8: v7 one 128-row slab per loop step (68 registers); v10 / v11:
 # v6 / v7 with g and RN(1/g) computed once per CTA instead of per tile (one global scale; per-expert scales run as v6 / v7);
 # v12 / v13: v10 / v11 with each row's divisor and reciprocal looked up in a per-CTA table by the row's scale byte.
-IMPLS = ("v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v2", "v1")
-# the per-value form of each version's tile body (v8, v10 - v13 change how tiles and rows run, not the values' formulas)
+IMPLS = ("v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v14", "v15", "v2", "v1")
+# the per-value form of each version's tile body (v8, v10 - v15 change how tiles and rows run, not the values' formulas)
 _VALUE_FORMS = {"v4": "v4", "v5": "v5", "v6": "v6", "v7": "v7", "v8": "v7", "v10": "v6", "v11": "v7", "v12": "v6",
-                "v13": "v7"}
+                "v13": "v7", "v14": "v6", "v15": "v7"}
+# v14 / v15: v12 / v13 with the input tile loaded as 128-byte rows of several blocks (`wide_blocks_per_row`).
+# Why: the TMA load of [rows, 16] bfloat16 tiles (32-byte rows) alone ran at 75 % of an equal-bytes elementwise
+# kernel on the H200 while the same bytes as 64-byte float32 rows ran at 97 % (results/nvfp4_floor_h200*.json,
+# decision record 0006): the kernel's math was not what held bfloat16 back, its tile's row width was.
+WIDE_IMPLS = ("v14", "v15")
+WIDE_ROW_BYTES = 128
+
+
+def wide_blocks_per_row(dtype) -> int:
+    """Blocks of 16 values per tile row for the wide versions: 128-byte rows (bfloat16 4, float32 2)."""
+    return max(1, WIDE_ROW_BYTES // (NVFP4_BLOCK * jnp.dtype(dtype).itemsize))
 
 # The defaults, from the H200 run of session 20 with five interleaved timing rounds (decision record 0006;
 # results/quantize_nvfp4_h200.json): on the 256 MiB inputs v12 was the fastest version for both dtypes. bfloat16:
@@ -520,14 +554,16 @@ DEFAULT_TILES_F32 = C.TileConfig(rows=768, ctas_per_sm=3)
 DEFAULT_IMPL = "v12"
 
 
-def default_tiles(dtype, groups: int = 1, rows_per_expert: int = 0) -> C.TileConfig:
+def default_tiles(dtype, groups: int = 1, rows_per_expert: int = 0, impl: str | None = None) -> C.TileConfig:
     """The measured tiling for input `dtype`, with shorter tiles when per-expert global scales need tiles that divide
     an expert's rows (a tile never straddles two global scales; otherwise each expert is quantized by its own
-    launch)."""
+    launch). Shorter tiles stay a multiple of the rows `impl` keeps per 128-thread slab (wide versions: more)."""
     base = DEFAULT_TILES_F32 if jnp.dtype(dtype) == jnp.float32 else DEFAULT_TILES
     if groups == 1 or rows_per_expert % base.rows == 0:
         return base
-    rows = next((r for r in (768, 512, 384, 256, 128) if r < base.rows and rows_per_expert % r == 0), base.rows)
+    multiple = C.SLAB_ROWS * (wide_blocks_per_row(dtype) if (impl or DEFAULT_IMPL) in WIDE_IMPLS else 1)
+    rows = next((r for r in (768, 512, 384, 256, 128) if r < base.rows and r % multiple == 0 and rows_per_expert % r == 0),
+                base.rows)
     return dataclasses.replace(base, rows=rows)
 
 
@@ -574,7 +610,7 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
     interpret = C.resolve_interpret(interpret)
     shape = global_amax.shape
     rows_per_expert = math.prod(x.shape[1:-1]) * (-(-x.shape[-1] // NVFP4_BLOCK))
-    cfg = config or default_tiles(x.dtype, groups, rows_per_expert)
+    cfg = config or default_tiles(x.dtype, groups, rows_per_expert, impl)
     with C.interpret_context(interpret):
         if groups > 1 and rows_per_expert % C.tile_rows(cfg, NVFP4_BLOCK):
             outs = [_quantize(x[i], global_amax[i].reshape(1), groups=1, cfg=cfg, interpret=interpret, impl=impl)

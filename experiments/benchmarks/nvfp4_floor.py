@@ -111,14 +111,11 @@ def configs(dtype):
     T, dyn = C.TileConfig, (lambda **k: C.TileConfig(schedule="dynamic", **k))
     base = [(N.default_tiles(dtype), "v12")]
     if dtype == jnp.float32:
-        return base + [(dyn(rows=1024, stages=3, ctas_per_sm=1), "v12"), (dyn(rows=768, stages=4, ctas_per_sm=1), "v12")]
+        return base + [(T(rows=768, ctas_per_sm=3), "v14"), (dyn(rows=1024, stages=3, ctas_per_sm=1), "v14")]
     return base + [
-        (dyn(rows=1024, stages=3, ctas_per_sm=1), "v12"), (dyn(rows=1024, stages=4, ctas_per_sm=1), "v12"),
-        (dyn(rows=1024, stages=5, ctas_per_sm=1), "v12"), (dyn(rows=1280, stages=4, ctas_per_sm=1), "v12"),
-        (dyn(rows=1536, stages=3, ctas_per_sm=1), "v12"), (dyn(rows=1536, stages=2, ctas_per_sm=1), "v12"),
-        (dyn(rows=2048, stages=2, ctas_per_sm=1), "v12"), (T(rows=1536, stages=3, ctas_per_sm=1), "v12"),
-        (T(rows=1024, stages=4, ctas_per_sm=1), "v12"), (dyn(rows=1536, stages=3, ctas_per_sm=1, auto_barriers=False), "v12"),
-        (dyn(rows=1024, stages=4, ctas_per_sm=1, auto_barriers=False), "v12"),
+        (dyn(rows=1024), "v14"), (dyn(rows=1024), "v15"), (T(rows=1024), "v14"),
+        (dyn(rows=1024, stages=3, ctas_per_sm=1), "v14"), (dyn(rows=512, ctas_per_sm=3), "v14"),
+        (dyn(rows=512, ctas_per_sm=4), "v14"), (dyn(rows=1024, stages=3, ctas_per_sm=1), "v12"),
     ]
 
 

@@ -151,15 +151,12 @@ def nvfp4_sweep(dtype) -> list:
     T = Q.TileConfig
     dyn = functools.partial(T, schedule="dynamic")
     if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, default_tiles), then the one before
-        return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v6"),
-                (T(rows=1024), "v12"), (dyn(rows=768, ctas_per_sm=3), "v12"),
-                (dyn(rows=768, ctas_per_sm=3), "v10"), (dyn(rows=768, ctas_per_sm=3), "v13"),
-                (dyn(rows=384, ctas_per_sm=4), "v12"), (T(rows=512, ctas_per_sm=4), "v12"), (dyn(rows=1024), "v10")]
-    return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v7"),
-            (dyn(rows=768, ctas_per_sm=3), "v12"),
-            (dyn(rows=768, ctas_per_sm=3), "v11"), (T(rows=768, ctas_per_sm=3), "v13"),
-            (dyn(rows=768, ctas_per_sm=3), "v13"), (dyn(rows=384, ctas_per_sm=3), "v13"), (dyn(rows=1024), "v12"),
-            (dyn(rows=256, ctas_per_sm=5), "v13")]
+        return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (dyn(rows=1024, ctas_per_sm=2), "v14"), (T(rows=1024), "v14"), (dyn(rows=1024, ctas_per_sm=2), "v15"),
+                (dyn(rows=1024, stages=3, ctas_per_sm=1), "v14"), (dyn(rows=512, ctas_per_sm=3), "v14"),
+                (T(rows=512, ctas_per_sm=4), "v14"), (T(rows=768, ctas_per_sm=3), "v6")]
+    return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v14"), (T(rows=768, ctas_per_sm=3), "v15"),
+            (dyn(rows=1024, stages=3, ctas_per_sm=1), "v14"), (dyn(rows=1024), "v14"), (T(rows=512, ctas_per_sm=3), "v14"),
+            (T(rows=768, ctas_per_sm=3), "v7")]
 
 
 def ab_cases(kernels):
@@ -176,8 +173,9 @@ def ab_cases(kernels):
         ("nvfp4", (8192, 8192), f32, *nv, nvfp4_sweep(f32)),
         ("mxfp8", (32768, 4096), bf16, *mx, both + [(T(stages=4), "v2"), (T(ctas_per_sm=4), "v2")]),
         # 1 GiB: per-call costs (launch, first and last tiles, host dispatch) weigh a quarter as much
-        ("nvfp4", (131072, 4096), bf16, *nv, [(N.default_tiles(bf16), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v6")]),
-        ("nvfp4", (16384, 16384), f32, *nv, [(N.default_tiles(f32), N.DEFAULT_IMPL)]),
+        ("nvfp4", (131072, 4096), bf16, *nv, [(N.default_tiles(bf16), N.DEFAULT_IMPL),
+                                              (T(rows=1024, schedule="dynamic"), "v14"), (T(rows=768, ctas_per_sm=3), "v6")]),
+        ("nvfp4", (16384, 16384), f32, *nv, [(N.default_tiles(f32), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v14")]),
     ]
     return [c for c in out if c[0] in kernels]
 

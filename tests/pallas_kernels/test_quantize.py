@@ -212,7 +212,7 @@ def test_nvfp4_f32_saturating_many_tiles_interpret():
         assert_same(a, b, n)
 
 
-@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13"])
+@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v14", "v15"])
 def test_nvfp4_edge_cases_interpret(impl):
     x = edge_cases()
     packed, bs, g = Q.nvfp4(x, interpret=True, impl=impl)
@@ -508,7 +508,7 @@ def test_gpu_mxfp8(shape, in_dtype, impl):
     "shape,in_dtype,per_expert",
     [((4096, 4096), BF16, False), ((8, 768, 2048), BF16, True), ((3, 40, 48), F32, True), ((1000, 1000), F32, False)],
 )
-@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", None],
+@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v14", "v15", None],
                          ids=lambda v: v or "default")
 def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
     x = rand(shape, 8, in_dtype, spread=False)
@@ -535,7 +535,7 @@ def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["v2", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13"])
+@pytest.mark.parametrize("impl", ["v2", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v14", "v15"])
 @pytest.mark.parametrize("in_dtype", [F32, BF16])
 def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype, impl):
     """The v2 .. v8 kernels on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack;
@@ -566,7 +566,7 @@ def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13"])
+@pytest.mark.parametrize("impl", ["v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v14", "v15"])
 def test_gpu_nvfp4_near_midpoints(impl):
     """Values at and next to every E2M1 midpoint of their block (random and power-of-two g, 2^18 blocks), bfloat16:
     ties x / d = midpoint exactly where RN(1/d) is inexact, where a quotient one correction short would miss."""
