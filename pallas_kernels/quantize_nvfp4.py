@@ -545,13 +545,14 @@ def wide_blocks_per_row(dtype) -> int:
     """Blocks of 16 values per tile row for the wide versions: 128-byte rows (bfloat16 4, float32 2)."""
     return max(1, WIDE_ROW_BYTES // (NVFP4_BLOCK * jnp.dtype(dtype).itemsize))
 
-# The defaults, from the H200 run of session 20 with five interleaved timing rounds (decision record 0006;
-# results/quantize_nvfp4_h200.json): on the 256 MiB inputs v12 was the fastest version for both dtypes. bfloat16:
-# 1024-row tiles, 2 CTAs per SM, dynamic schedule, 73.3 % of copy bandwidth (v6 at 768 rows / 3 CTAs, the default
-# before: 51.5 %). float32: 768-row tiles, 3 CTAs per SM, static, 82.4 % (v7, the default before: 70.4 %).
+# The defaults, from the H200 runs of sessions 20 and 21 with five interleaved timing rounds (decision record 0006;
+# results/quantize_nvfp4_h200.json). Session 21: v14 (v12 with 128-byte tile rows) for both dtypes, on the 256 MiB inputs
+# bfloat16 85.5 % of the 1 GiB copy's bandwidth in wall-clock (v12: 71.8 %; v6, the default before session 20: 51.6 %)
+# and 96.2 % of an equal-bytes elementwise kernel's GPU time; float32 86.1 % (v12 83.9 %) and 94.8 %. The tilings are
+# session 20's: bfloat16 1024-row tiles, 2 CTAs per SM, dynamic schedule; float32 768 rows, 3 CTAs per SM, static.
 DEFAULT_TILES = C.TileConfig(rows=1024, ctas_per_sm=2, schedule="dynamic")  # bfloat16 (and float16) input
 DEFAULT_TILES_F32 = C.TileConfig(rows=768, ctas_per_sm=3)
-DEFAULT_IMPL = "v12"
+DEFAULT_IMPL = "v14"
 
 
 def default_tiles(dtype, groups: int = 1, rows_per_expert: int = 0, impl: str | None = None) -> C.TileConfig:
@@ -567,9 +568,13 @@ def default_tiles(dtype, groups: int = 1, rows_per_expert: int = 0, impl: str | 
     return dataclasses.replace(base, rows=rows)
 
 
-def default_impl(x) -> str:
-    """The kernel version `nvfp4` uses when the caller names none (DEFAULT_IMPL, for every input dtype)."""
-    del x
+def default_impl(x, config: C.TileConfig | None = None) -> str:
+    """The kernel version `nvfp4` uses when the caller names none: DEFAULT_IMPL, or v12 (same bits, 32-byte tile
+    rows) when a given tiling's rows are not a multiple of the rows DEFAULT_IMPL keeps per 128-thread slab."""
+    if DEFAULT_IMPL in WIDE_IMPLS and config is not None:
+        rows = C.tile_rows(config, NVFP4_BLOCK)
+        if rows % (C.SLAB_ROWS * wide_blocks_per_row(jnp.asarray(x).dtype)):
+            return "v12"
     return DEFAULT_IMPL
 
 
@@ -584,7 +589,7 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
     `default_tiles`). Every version returns the contract's bits.
     """
     x = jnp.asarray(x)
-    impl = impl or default_impl(x)
+    impl = impl or default_impl(x, config)
     if impl not in IMPLS:
         raise ValueError(f"nvfp4: impl must be one of {IMPLS}, got {impl!r}")
     if four_over_six:

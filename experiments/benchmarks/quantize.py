@@ -140,23 +140,22 @@ KERNELS = ("fp8_per_token_group", "mxfp8", "fp8_per_block", "nvfp4")
 
 
 def nvfp4_sweep(dtype) -> list:
-    """(TileConfig, impl) pairs timed for NVFP4 on a 256 MiB input of `dtype`: the default first, then the best configs
-    of session 20's first sweep (v10 - v13, dynamic schedule: results/quantize_nvfp4_h200_s20a.json), then occupancy.
+    """(TileConfig, impl) pairs timed for NVFP4 on a 256 MiB input of `dtype`: the default (v14) first, then the
+    default before it (v12, same tiles), the other wide version (v15), other tilings of v14, and the default of
+    session 19 (v6 / v7).
 
-    Why occupancy: Nsight Compute of v6 shows about 8 active warps per SM (230 registers per thread: two 128-thread
-    CTAs fit by registers whatever ctas_per_sm asks) and long-scoreboard stalls ahead of every other reason. v12 / v13
-    need 109 / 117 registers, so four CTAs fit by registers; shorter tiles make them fit by shared memory too
-    (versions: quantize_nvfp4.IMPLS; measurements: docs/decisions/0006).
+    Why v14: the NVFP4 kernel's pipeline with no quantization math at all (experiments/benchmarks/nvfp4_floor.py) ran
+    bfloat16 [rows, 16] tiles at 81 % of an equal-bytes elementwise kernel's GPU time, and loading them alone at 76 %,
+    while the same bytes as 64-byte float32 rows ran at 97 %: 32-byte tile rows were the limit, not the math. v14 loads
+    128-byte rows of several blocks (versions: quantize_nvfp4.IMPLS; measurements: docs/decisions/0006).
     """
     T = Q.TileConfig
     dyn = functools.partial(T, schedule="dynamic")
-    if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, default_tiles), then the one before
-        return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (dyn(rows=1024, ctas_per_sm=2), "v14"), (T(rows=1024), "v14"), (dyn(rows=1024, ctas_per_sm=2), "v15"),
-                (dyn(rows=1024, stages=3, ctas_per_sm=1), "v14"), (dyn(rows=512, ctas_per_sm=3), "v14"),
-                (T(rows=512, ctas_per_sm=4), "v14"), (T(rows=768, ctas_per_sm=3), "v6")]
-    return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v14"), (T(rows=768, ctas_per_sm=3), "v15"),
-            (dyn(rows=1024, stages=3, ctas_per_sm=1), "v14"), (dyn(rows=1024), "v14"), (T(rows=512, ctas_per_sm=3), "v14"),
-            (T(rows=768, ctas_per_sm=3), "v7")]
+    if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, default_tiles), then the ones before
+        return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (dyn(rows=1024), "v12"), (T(rows=1024), "v14"),
+                (dyn(rows=1024), "v15"), (dyn(rows=512, ctas_per_sm=3), "v14"), (T(rows=768, ctas_per_sm=3), "v6")]
+    return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v12"),
+            (T(rows=768, ctas_per_sm=3), "v15"), (dyn(rows=1024), "v14"), (T(rows=768, ctas_per_sm=3), "v7")]
 
 
 def ab_cases(kernels):
@@ -174,8 +173,8 @@ def ab_cases(kernels):
         ("mxfp8", (32768, 4096), bf16, *mx, both + [(T(stages=4), "v2"), (T(ctas_per_sm=4), "v2")]),
         # 1 GiB: per-call costs (launch, first and last tiles, host dispatch) weigh a quarter as much
         ("nvfp4", (131072, 4096), bf16, *nv, [(N.default_tiles(bf16), N.DEFAULT_IMPL),
-                                              (T(rows=1024, schedule="dynamic"), "v14"), (T(rows=768, ctas_per_sm=3), "v6")]),
-        ("nvfp4", (16384, 16384), f32, *nv, [(N.default_tiles(f32), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v14")]),
+                                              (T(rows=1024, schedule="dynamic"), "v12"), (T(rows=768, ctas_per_sm=3), "v6")]),
+        ("nvfp4", (16384, 16384), f32, *nv, [(N.default_tiles(f32), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v12")]),
     ]
     return [c for c in out if c[0] in kernels]
 

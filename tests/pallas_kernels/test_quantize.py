@@ -230,7 +230,12 @@ def test_nvfp4_default_tiles_divide_each_experts_rows():
 
     assert N.default_tiles(BF16).rows == 1024 and N.default_tiles(F32).rows == 768
     assert N.default_tiles(BF16, 1, 1000).rows == 1024 and N.default_tiles(BF16, 8, 1024 * 5).rows == 1024
-    assert N.default_tiles(BF16, 8, 768 * 5).rows == 768 and N.default_tiles(F32, 8, 768 * 5).rows == 768
+    assert N.default_tiles(BF16, 8, 768 * 5, "v12").rows == 768 and N.default_tiles(F32, 8, 768 * 5).rows == 768
+    assert N.default_tiles(BF16, 8, 768 * 5).rows == 1024  # the default v14 keeps 512 rows per slab: no divisor
+    xb, xf = jnp.zeros((4, 16), BF16), jnp.zeros((4, 16), F32)
+    assert N.default_impl(xb) == N.default_impl(xf) == N.default_impl(xb, Q.TileConfig(rows=512)) == "v14"
+    assert N.default_impl(xb, Q.TileConfig(rows=768)) == "v12" and N.default_impl(xf, Q.TileConfig(rows=768)) == "v14"
+    assert N.default_tiles(F32, 8, 256 * 7).rows == 256 and N.default_tiles(F32, 8, 384 * 5, "v14").rows == 768
     assert N.default_tiles(F32, 8, 4096 * 448).rows == 512 and N.default_tiles(BF16, 8, 512 * 5).rows == 512
     assert N.default_tiles(F32, 2, 256).rows == 256 and N.default_tiles(BF16, 8, 4096 * 448).rows == 1024
     assert N.default_tiles(BF16, 8, 64 * 7).rows == 1024  # no divisor: each expert gets its own launch
