@@ -1,8 +1,9 @@
 """NVFP4 quantization kernel: E2M1 codes packed two per byte, an E4M3 scale per 16 values, a given global scale.
 
 Returns exactly what `jaxrl_fp8.precision.quantize_nvfp4` returns (four_over_six=False). The kernel views x as
-rows of one 16-value block, [R, 16] (K zero-padded to 16 outside the kernel, as the contract pads), and per
-row computes the contract's chain in the contract's order:
+rows of one 16-value block, [R, 16] (K zero-padded to 16 outside the kernel, as the contract pads; the default
+v14 loads them as 128-byte rows of several blocks, see WIDE_IMPLS), and per block computes the contract's chain in
+the contract's order:
     bs = cast_e4m3(min((amax / 6) / g, 448));  d = f32(bs) * g;  y = clamp(x / d, -6, 6) (0 if d == 0)
     code = threshold count of |y| (ties to the even code) | sign << 3
 The codes of columns 2i and 2i+1 sit in one register of the wgmma layout, so the GPU packs them in
@@ -399,12 +400,11 @@ def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, hoisted=None
     """One tile. hoisted: (g, RN(1/g)) computed once per CTA by `_hoisted_scalars_gpu` (impl v10 / v11, one global
     scale, GPU): then no tile loads the amax or divides for g, and nothing splits the tile's code at its start.
     blocks_per_row > 1 (v14 / v15): x_ref is the tile as [tr / blocks_per_row, 16 * blocks_per_row]."""
-    wide = dict(blocks_per_row=blocks_per_row) if blocks_per_row > 1 else {}
     if hoisted is not None:
         layout = C.row_layout(NVFP4_BLOCK * blocks_per_row, in_dtype)
         _v2_gpu(plgpu.load(x_ref, layout=layout), F32(0.0), jnp.int32(0), packed_ref, bs_ref, g_gmem,
                 in_dtype=in_dtype, branch_free_rows=True, value_form=value_form, scalars=hoisted[:2],
-                table=hoisted[2] if len(hoisted) > 2 else None, **wide)
+                table=hoisted[2] if len(hoisted) > 2 else None, blocks_per_row=blocks_per_row)
         return
     group = (t * tr) // rows_per_group  # tiles never straddle two global scales
     amax = jnp.maximum(amax_gmem[group], F32(AMAX_FLOOR))
@@ -430,7 +430,7 @@ def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, hoisted=None
     if not slab_loop:
         x = plgpu.load(x_ref, layout=layout)
         _v2_gpu(x, amax, group, packed_ref, bs_ref, g_gmem, in_dtype=in_dtype, branch_free_rows=branch_free_rows,
-                value_form=value_form, **wide)
+                value_form=value_form, blocks_per_row=blocks_per_row)
         return
     # impl "v8": one 128-row slab (one row per thread) per loop step, so only one row's values are live
     scalars = _tile_scalars_gpu(amax, group, g_gmem)
@@ -445,7 +445,7 @@ def _nvfp4_body_v2(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, hoisted=None
 
 
 def _hoisted_scalars_gpu(amax_gmem, g_gmem, table_ref=None):
-    """The kernel prologue of impl v10 - v13 (one global scale): g and RN(1/g) once per CTA, g stored; v12 / v13 also
+    """The kernel prologue of impl v10 - v15 (one global scale): g and RN(1/g) once per CTA, g stored; v12 - v15 also
     fill the CTA's scale table (`_build_scale_table_gpu`).
 
     Why: computed per tile (v6, v7), they cost each tile a GMEM load and two div.rn.f32, whose slow-path branches
