@@ -75,3 +75,23 @@ def test_run_checks_bits_times_in_rounds_and_records_failures(bench, monkeypatch
 def test_device_time_without_cupti_is_an_error_entry(bench):
     d = bench.device_time(jax.jit(lambda a: a * 2), jnp.ones(8))
     assert set(d) == {"error"}
+
+
+def test_nvfp4_floor_probe_lowers_for_cuda():
+    """experiments/benchmarks/nvfp4_floor.py runs only on a GPU; its pipeline probe (every output subset, the dynamic
+    schedule, bfloat16 and float32 rows) must still build a Mosaic GPU module here, so it can't break between GPU
+    sessions."""
+    sys.path.insert(0, str(_DIR))
+    try:
+        spec = importlib.util.spec_from_file_location("nvfp4_floor", _DIR / "nvfp4_floor.py")
+        floor = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(floor)
+    finally:
+        sys.path.remove(str(_DIR))
+    cfg = Q.TileConfig(rows=256, schedule="dynamic")
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = jax.ShapeDtypeStruct((4096, 64), dtype)
+        for outs in (("packed", "bs"), ("packed",), ()):
+            txt = (jax.jit(lambda a, outs=outs: floor.pipeline_only(a, cfg, outs)).trace(x)
+                   .lower(lowering_platforms=("cuda",)).as_text())
+            assert txt.count("stablehlo.custom_call @mosaic_gpu") == 1, (dtype, outs)
