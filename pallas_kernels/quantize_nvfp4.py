@@ -469,7 +469,7 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     rows_per_group = r // groups
     if groups > 1 and rows_per_group % tr:
         raise ValueError(f"per-group global scales need {rows_per_group} rows per group to be a multiple of {tr}")
-    bpr = wide_blocks_per_row(x.dtype) if impl in WIDE_IMPLS else 1
+    bpr = blocks_per_row(impl, x.dtype)
     rp = -(-r // (C.ROW_PAD * bpr)) * C.ROW_PAD * bpr  # tile rows (rp / bpr) stay a multiple of the TMA tiling's 8
     x2 = xp.reshape(r, NVFP4_BLOCK)
     if rp != r:
@@ -484,9 +484,9 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     hoist = impl in ("v10", "v11", "v12", "v13", "v14", "v15") and groups == 1 and mode != C.INTERPRET
     table = hoist and impl in ("v12", "v13", "v14", "v15")
     if v2:
-        if tr % (C.SLAB_ROWS * bpr):
+        if tr % tile_rows_multiple(impl, x.dtype):
             raise ValueError(f"nvfp4 impl={impl!r} keeps one row of {bpr} block(s) per thread in {C.SLAB_ROWS}-row slabs: "
-                             f"TileConfig.rows must be a multiple of {C.SLAB_ROWS * bpr}, got {tr}")
+                             f"TileConfig.rows must be a multiple of {tile_rows_multiple(impl, x.dtype)}, got {tr}")
         if mode not in (C.INTERPRET, C.MARKSTEIN):
             raise ValueError(f"nvfp4 impl={impl!r} divides with the Markstein sequence only (division={cfg.division!r}); use impl='v1'")
         body = functools.partial(_nvfp4_body_v2, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode,
@@ -545,11 +545,23 @@ def wide_blocks_per_row(dtype) -> int:
     """Blocks of 16 values per tile row for the wide versions: 128-byte rows (bfloat16 4, float32 2)."""
     return max(1, WIDE_ROW_BYTES // (NVFP4_BLOCK * jnp.dtype(dtype).itemsize))
 
-# The defaults, from the H200 runs of sessions 20 and 21 with five interleaved timing rounds (decision record 0006;
-# results/quantize_nvfp4_h200.json). Session 21: v14 (v12 with 128-byte tile rows) for both dtypes, on the 256 MiB inputs
-# bfloat16 85.5 % of the 1 GiB copy's bandwidth in wall-clock (v12: 71.8 %; v6, the default before session 20: 51.6 %)
-# and 96.2 % of an equal-bytes elementwise kernel's GPU time; float32 86.1 % (v12 83.9 %) and 94.8 %. The tilings are
-# session 20's: bfloat16 1024-row tiles, 2 CTAs per SM, dynamic schedule; float32 768 rows, 3 CTAs per SM, static.
+
+def blocks_per_row(impl: str, dtype) -> int:
+    """Blocks per tile row of version `impl` on `dtype` input (1 but for the wide versions)."""
+    return wide_blocks_per_row(dtype) if impl in WIDE_IMPLS else 1
+
+
+def tile_rows_multiple(impl: str, dtype) -> int:
+    """Tiles of `impl` hold a multiple of this many rows (blocks): one 128-row slab of tile rows per warpgroup."""
+    return C.SLAB_ROWS * blocks_per_row(impl, dtype)
+
+
+# The defaults, from the H200 runs of sessions 20 and 21 with five interleaved timing rounds (decision record 0006).
+# Session 21: v14 (v12 with 128-byte tile rows) for both dtypes. Final run (results/quantize_nvfp4_h200.json), 256 MiB
+# inputs: bfloat16 84.2 % of the same-run 1 GiB copy's bandwidth in wall clock (v12, same tiles: 72.0 %; v6, the
+# default before session 20: 51.1 %) and 96.0 % of the 1 GiB elementwise kernel's bandwidth in GPU time; float32 84.5 %
+# (v12 83.3 %) and 95.8 %. The tilings are session 20's: bfloat16 1024-row tiles, 2 CTAs per SM, dynamic schedule;
+# float32 768 rows, 3 CTAs per SM, static.
 DEFAULT_TILES = C.TileConfig(rows=1024, ctas_per_sm=2, schedule="dynamic")  # bfloat16 (and float16) input
 DEFAULT_TILES_F32 = C.TileConfig(rows=768, ctas_per_sm=3)
 DEFAULT_IMPL = "v14"
@@ -562,7 +574,7 @@ def default_tiles(dtype, groups: int = 1, rows_per_expert: int = 0, impl: str | 
     base = DEFAULT_TILES_F32 if jnp.dtype(dtype) == jnp.float32 else DEFAULT_TILES
     if groups == 1 or rows_per_expert % base.rows == 0:
         return base
-    multiple = C.SLAB_ROWS * (wide_blocks_per_row(dtype) if (impl or DEFAULT_IMPL) in WIDE_IMPLS else 1)
+    multiple = tile_rows_multiple(impl or DEFAULT_IMPL, dtype)
     rows = next((r for r in (768, 512, 384, 256, 128) if r < base.rows and r % multiple == 0 and rows_per_expert % r == 0),
                 base.rows)
     return dataclasses.replace(base, rows=rows)
@@ -571,10 +583,8 @@ def default_tiles(dtype, groups: int = 1, rows_per_expert: int = 0, impl: str | 
 def default_impl(x, config: C.TileConfig | None = None) -> str:
     """The kernel version `nvfp4` uses when the caller names none: DEFAULT_IMPL, or v12 (same bits, 32-byte tile
     rows) when a given tiling's rows are not a multiple of the rows DEFAULT_IMPL keeps per 128-thread slab."""
-    if DEFAULT_IMPL in WIDE_IMPLS and config is not None:
-        rows = C.tile_rows(config, NVFP4_BLOCK)
-        if rows % (C.SLAB_ROWS * wide_blocks_per_row(jnp.asarray(x).dtype)):
-            return "v12"
+    if config is not None and C.tile_rows(config, NVFP4_BLOCK) % tile_rows_multiple(DEFAULT_IMPL, x.dtype):
+        return "v12"
     return DEFAULT_IMPL
 
 

@@ -39,6 +39,10 @@ from pallas_kernels import quantize as Q
 from pallas_kernels import quantize_nvfp4 as N
 
 MiB = 1 << 20
+# The anchors: XLA's copy (a memcpy on the GPU, so CUPTI's kernel list doesn't show it) and x * 2 (an elementwise
+# kernel moving the same bytes, the GPU-time anchor).
+xla_copy = jax.jit(lambda a: a.copy())
+xla_elementwise_x2 = jax.jit(lambda a: a * 2.0)
 
 
 def time_call(fn, *args, reps: int = 11, inner: int = 20) -> float:
@@ -102,10 +106,8 @@ def random_input(shape, dtype, seed=0):
 
 def copy_anchor(size_bytes: int = 1 << 30, torch_anchor: bool = True) -> dict:
     x = jnp.ones((size_bytes // 4,), jnp.float32) * 1.5
-    copy = jax.jit(lambda a: a.copy())
-    scale = jax.jit(lambda a: a * 2.0)
     out = {}
-    for name, fn in (("xla_copy", copy), ("xla_elementwise_x2", scale)):
+    for name, fn in (("xla_copy", xla_copy), ("xla_elementwise_x2", xla_elementwise_x2)):
         t = time_call(fn, x)
         out[name] = {"bytes": 2 * size_bytes, "median_ms": t * 1e3, "GBps": 2 * size_bytes / t / 1e9}
     if not torch_anchor:
@@ -265,7 +267,7 @@ def device_time(fn, arg, iterations: int = 20) -> dict:
 
 
 def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True, rounds: int = 3,
-        batch: int = 1, cupti: bool = True, copy_bytes: int = 1 << 30, reps: int = 11, iters: int = 20) -> None:
+        batch: int = 1, cupti: bool = True, copy_bytes: int = 1 << 30, reps: int = 11, iters: int = 50) -> None:
     """Per case: compile every config and check its bits, then time the copy anchor, XLA and every config in
     `rounds` interleaved rounds, each timed call running `batch` kernel calls on distinct copies of the input (see
     `batched`; the 1 GiB copy anchor, 0.5 ms a call, is timed one call per dispatch). Why rounds: one config timed once moved by up to 20 % between H200 runs (clock and
@@ -275,10 +277,9 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True,
     dev = jax.devices()[0]
     anchor = copy_anchor(torch_anchor=torch_anchor)
     copy_x = jnp.ones((copy_bytes // 4,), jnp.float32) * 1.5
-    copy_fn = jax.jit(lambda a: a.copy())
     if cupti:  # the anchors' own GPU time: a copy may run as a memcpy, which CUPTI's kernel list leaves out
-        anchor["device_time"] = {"xla_copy": device_time(copy_fn, copy_x),
-                                 "xla_elementwise_x2": device_time(jax.jit(lambda a: a * 2.0), copy_x)}
+        anchor["device_time"] = {"xla_copy": device_time(xla_copy, copy_x),
+                                 "xla_elementwise_x2": device_time(xla_elementwise_x2, copy_x)}
         dev_anchor = next((2 * copy_bytes / d["total_ms"] / 1e6 for d in anchor["device_time"].values()
                            if "total_ms" in d), None)
         anchor["device_time"]["GBps"] = dev_anchor
@@ -317,15 +318,15 @@ def run(out_path: Path, quick: bool, kernels=KERNELS, torch_anchor: bool = True,
         xs = [x] + [jnp.array(x, copy=True) for _ in range(batch - 1)]
         runs = [(fn, x) if batch == 1 else (batched(fn, batch), xs) for _, fn in timed]
         for _ in range(rounds):
-            copies.append(timing.bench_detail(copy_fn, copy_x, iters=iters, reps=5, warmup=2)["median_s"])
-            eq_copies.append(timing.bench_detail(copy_fn, eq_x, iters=iters, reps=5, warmup=2)["median_s"])
+            copies.append(timing.bench_detail(xla_copy, copy_x, iters=iters, reps=5, warmup=2)["median_s"])
+            eq_copies.append(timing.bench_detail(xla_copy, eq_x, iters=iters, reps=5, warmup=2)["median_s"])
             for i, (fn, arg) in enumerate(runs):
                 d = timing.bench_detail(fn, arg, iters=max(2, iters // batch), reps=reps, warmup=2)
                 per[i].append({k: v / batch for k, v in d.items()})  # per kernel call
         copy_gbps = 2 * copy_bytes / statistics.median(copies) / 1e9
         eq_bytes = 8 * eq_x.shape[0]
         eq_gbps = eq_bytes / statistics.median(eq_copies) / 1e9
-        eq_dev = device_time(jax.jit(lambda a: a * 2.0), eq_x) if cupti else {}
+        eq_dev = device_time(xla_elementwise_x2, eq_x) if cupti else {}
         eq_dev_gbps = eq_bytes / eq_dev["total_ms"] / 1e6 if "total_ms" in eq_dev else None
         for (row, fn), ds in zip(timed, per):
             t = statistics.median(d["median_s"] for d in ds)
@@ -367,7 +368,7 @@ def config_tag(row) -> str:
             + (" dyn" if c["schedule"] == "dynamic" else "") + ("" if c["auto_barriers"] else " nobar"))
 
 
-def write_json(out_path: Path, dev, anchor, rows, rounds: int, batch: int, reps: int = 11, iters: int = 20) -> None:
+def write_json(out_path: Path, dev, anchor, rows, rounds: int, batch: int, reps: int, iters: int) -> None:
     result = {"device": dev.device_kind, "jax_version": jax.__version__, "copy_anchor": anchor,
               "anchor_for_pct": "case_copy_GBps: the median XLA copy (1 GiB float32) of the case's own rounds; "
                                 "equal_bytes_copy_GBps: an XLA copy moving the kernel's bytes_moved per call, same rounds; "
