@@ -4,15 +4,18 @@ Operands as `jaxrl_fp8.ops.grouping.grouped_wgrad_fp8` takes them: dyt_q [N, M] 
 1x128 along M (the contraction) with scales [N, M/128] and [K, M/128]. A 128-row quantization group may
 straddle two experts; each expert must then see only its own rows of it.
 
-Layout: the M axis is re-cut into work items (one per (expert, 128-row block) pair that shares a row, at most
-M/128 + E, `gemm_grouped.work_items`). One XLA gather builds the item-major operands, dyt with the other
-expert's rows zeroed in each item, so every expert's contraction is one contiguous run of whole 128-wide
-blocks. The kernel then runs the dense kernel's tile routine in column-scale mode (acc += p * (sa[n] * sb[k])
-per block, in item order) with a pipeline whose length is that expert's item count (a dynamic grid). Empty
-experts get zeros. The gather moves ~(N + K) * (M + 128 E) bytes of FP8 once, instead of the XLA path's
-scan of M/128 + E small block-scaled GEMMs.
+`grouped_wgrad_fp8` (issue 23): a persistent k-grouped kernel. One warp-specialized pipeline per SM for the whole
+call walks (expert, N tile, K tile) output tiles and, per tile, the expert's 128-row blocks, read by TMA in place
+from dyt_q / xt_q; the TMA ring runs on across tiles, so the next tile's loads stream during a tile's epilogue.
+Each expert's first and last block, when shared with another expert, come from a small pre-masked copy
+(`edge_blocks`). Per block: one wgmma into a fresh accumulator, promoted as acc += p * (sa[n] * sb[k]), blocks in
+order: the block math of the XLA path. docs/decisions/0002-gemm-tiling.md has the reasoning and the arithmetic.
 
-`grouped_wgrad_bf16(dy, x, ...)` is the same scheme for BF16 operands (the BF16 recipes' and the
+`grouped_wgrad_fp8_gather` (session 13, kept for timing and bit comparisons): one XLA gather re-cuts M into
+item-major operands (other experts' rows zeroed), then each output tile runs the dense kernel's tile routine with
+a dynamic-length pipeline. Same bits as the persistent kernel.
+
+`grouped_wgrad_bf16(dy, x, ...)` is the gather scheme for BF16 operands (the BF16 recipes' and the
 high-precision backward's wgrad), with the BF16 grouped kernel's tile routine and no scales.
 """
 
@@ -326,10 +329,16 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
 
                 return pl.run_scoped(scope, plgpu.ACC((tm, TILE), F32), plgpu.ACC((tm, TILE), F32)), it + 2
 
-            @plgpu.nd_loop((e * per_expert,), collective_axes="sm", init_carry=jnp.int32(0))
+            num_tiles = e * per_expert
+            count_of = lambda t: table_gmem[COUNT, lax.div(jnp.minimum(t, num_tiles - 1), per_expert)]
+            first_tile = lax.axis_index("sm")
+
+            @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=(jnp.int32(0), count_of(first_tile)))
             def _tiles(info, carry):
+                carry, count = carry
+                # the next tile's block count, loaded a whole tile ahead (its latency off the tensor core's path)
+                count_next = count_of(info.index[0] + lax.axis_size("sm"))
                 g, ni, ki = coords(info.index[0])
-                count = table_gmem[COUNT, g]
                 acc = zero_acc(tm, TILE)
                 if kps == 2:
                     acc, carry = lax.fori_loop(0, lax.div(count, 2), two_blocks, (acc, carry))
@@ -338,7 +347,7 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
                     acc, carry = lax.fori_loop(0, count, one_block, (acc, carry))
                 # an expert without rows (count 0) stores its zero tile here
                 tile_store(o_gmem.at[g, pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)], out_smem, tm)(acc, wg)
-                return carry
+                return carry, count_next
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
