@@ -112,7 +112,7 @@ case "${1:-}" in
           # process, so JAX takes 60 % of the GPU's memory instead of 75 % (leaves torch ~50 GB)
     export XLA_PYTHON_CLIENT_MEM_FRACTION=0.6
     timeout 180 $PY -m pytest -v -m gpu tests/pallas_kernels/test_gemm_grouped_wgrad.py tests/ops/test_kernel_backends.py \
-        -k "wgrad or gpu_mosaic_linear_and_grouped" -p no:cacheprovider --durations=10 \
+        -k "wgrad or (gpu_mosaic_linear_and_grouped and fp8)" -p no:cacheprovider --durations=10 \
         2>&1 | tee "$OUT/wgrad_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Timeout"
     timeout 270 $PY experiments/benchmarks/gemm.py --suites wgrad,torch --out "$OUT/gemm_wgrad_h200.json" 2>&1 | quiet \
         | tee "$OUT/gemm_wgrad.log" ;;
