@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The H200 measurements, one stage per call (each fits a 10-minute device command), outputs under $OUT.
 #   bash experiments/h200_runs.sh tests      # every -m gpu test (kernels, ops, converters), one log
-#   bash experiments/h200_runs.sh gemm       # experiments/benchmarks/gemm.py: dense, MoE (fwd + wgrad), linear fwd+bwd
+#   bash experiments/h200_runs.sh gemm       # experiments/benchmarks/gemm.py: dense, MoE (fwd + wgrad), linear fwd+bwd, torch anchors
+#   bash experiments/h200_runs.sh wgrad      # issue 23 (< 8 min): the FP8 MoE wgrad kernels' GPU tests, their timing (persistent
+#                                            # kernel configs, gather kernel, transposed_ragged_dot_mgpu) and the torch anchors
 #   bash experiments/h200_runs.sh breakdown  # FP8 linear fwd+bwd component times (incl. the GEMM tile variants)
 #   bash experiments/h200_runs.sh quantize   # quantize GPU bit tests + the FP8 / MXFP8 quantize benchmark (copy anchor)
 #   bash experiments/h200_runs.sh nvfp4      # NVFP4: GPU bit tests of every version, the version / tiling sweep, SASS, ncu
@@ -106,6 +108,14 @@ case "${1:-}" in
   diag) $PY experiments/checks/nvfp4_gpu_diag.py --out "$OUT" --quick 2>&1 | quiet | tee "$OUT/diag.log" ;;
   tests) $PY -m pytest -v -m gpu tests -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
   gemm) $PY experiments/benchmarks/gemm.py --out "$OUT/gemm_h200.json" 2>&1 | quiet | tee "$OUT/gemm.log" ;;
+  wgrad)  # $OUT/wgrad_gpu_tests.log, $OUT/gemm_wgrad_h200.json (+ gemm_wgrad.log); the torch anchors run in a child
+          # process, so JAX takes 60 % of the GPU's memory instead of 75 % (leaves torch ~50 GB)
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.6
+    timeout 180 $PY -m pytest -v -m gpu tests/pallas_kernels/test_gemm_grouped_wgrad.py tests/ops/test_kernel_backends.py \
+        -k "wgrad or (gpu_mosaic_linear_and_grouped and fp8)" -p no:cacheprovider --durations=10 \
+        2>&1 | tee "$OUT/wgrad_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Timeout"
+    timeout 270 $PY experiments/benchmarks/gemm.py --suites wgrad,torch --out "$OUT/gemm_wgrad_h200.json" 2>&1 | quiet \
+        | tee "$OUT/gemm_wgrad.log" ;;
   breakdown) $PY experiments/benchmarks/linear_breakdown.py --out "$OUT/linear_breakdown_h200.json" 2>&1 | quiet | tee "$OUT/breakdown.log" ;;
   nvfp4)  # NVFP4: every version's GPU bit tests, the version / tiling sweep against the copy anchor, SASS of v6-v8, and
           # Nsight Compute of the default (per-SM active cycles: how evenly the persistent grid loads the SMs)
