@@ -173,7 +173,7 @@ def ieee_div(a, b, *, layout, mode: str):
 # NaN and |x / s| < 2^126 (always true here: |x| <= amax and s >= amax / fmax).
 # One correction (NVFP4 v4 / v5): q0 = x * r; e = x - q0 * d; q1 = q0 + e * r. With r = RN(1/d) it is RN(x / d) for
 # every float32 x and d while nothing overflows or underflows, shown in exact integer arithmetic by
-# experiments/checks/nvfp4_v4_formulas.py (results/nvfp4_v4_formulas_cpu.json): exhaustively for bfloat16 x (all
+# experiments/checks/nvfp4_formulas.py (results/nvfp4_formulas_cpu.json): exhaustively for bfloat16 x (all
 # 2^7 x 2^23 significand pairs), and for float32 x over every pair whose quotient lies close enough to a rounding
 # midpoint for the correction's error (< 2^-22 ulp) to matter (87 million pairs; no other pair can differ).
 def _markstein_ptx(corrections: int) -> str:
@@ -190,7 +190,7 @@ _MARKSTEIN_PTX = _markstein_ptx(2)
 # RN(1/d) without div.rn's slow-path branch (NVFP4 v5, per row): the hardware estimate, one Newton step (its error
 # squared: far inside 1 ulp), then one Markstein correction e = 1 - d r, r' = r + e r, which gives RN(1/d) from any
 # estimate within 1 ulp for every float32 significand but the all-ones one (checked exhaustively in integers for
-# both estimates within 1 ulp of each of the 2^23 significands: experiments/checks/nvfp4_v4_formulas.py). For
+# both estimates within 1 ulp of each of the 2^23 significands: experiments/checks/nvfp4_formulas.py). For
 # d = 2^k (2 - 2^-23), RN(1/d) = 2^-(k+1) (1 + 2^-23): bits ((253 << 23) - exponent bits of d) | 1. Valid for
 # positive normal d with a normal reciprocal (d < 2^126); NVFP4's per-row d lies in [7e-17, 6e37].
 _RCP_RN_PTX = """{
@@ -703,20 +703,8 @@ class MlirOps:
     def sub(self, a, b):
         return self.arith.subi(a, self._c(b))
 
-    def minu(self, a, b):
-        return self.arith.minui(a, self._c(b))
-
-    def ltu(self, a, b):
-        return self.arith.cmpi(self.arith.CmpIPredicate.ult, a, self._c(b))
-
-    def eq(self, a, b):
-        return self.arith.cmpi(self.arith.CmpIPredicate.eq, a, self._c(b))
-
     def select(self, c, a, b):
         return self.arith.select(c, self._c(a), self._c(b))
-
-    def fadd(self, a, b: float):
-        return self.arith.addf(a, self.f(b))
 
     def fmax(self, a, b):  # NaN-propagating (max.NaN.f32), like jnp.maximum
         return self.arith.maximumf(a, self._cf(b))
@@ -758,10 +746,6 @@ class MlirOps:
         """IEEE a / b: the PTX instruction div.rn.f32 (not arith.divf, which lowers to div.full.f32 here)."""
         return self.asm(self.f32, [self._cf(a), self._cf(b)], "div.rn.f32 $0, $1, $2;", "=f,f,f")
 
-    def markstein(self, x, s, r):
-        """IEEE x / s given r = div.rn(1, s) (see _MARKSTEIN_PTX)."""
-        return self.asm(self.f32, [x, s, r], _MARKSTEIN_PTX, "=f,f,f,f")
-
     def rcp_rn(self, d):
         """RN(1/d) without a branch (see _RCP_RN_PTX for the range)."""
         return self.asm(self.f32, [d], _RCP_RN_PTX, "=f,f")
@@ -773,11 +757,6 @@ class MlirOps:
     def prmt(self, a, b, sel: int):
         """PTX prmt.b32 (byte permute of {b, a}; a selector nibble's bit 3 replicates the byte's sign bit)."""
         return self.asm(self.i32, [a, b], f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r")
-
-    def mad(self, a, k: int, b):
-        """a * k + b mod 2^32 as PTX mad.lo.u32: an IMAD, which issues to the FMA pipe, not the integer ALU's
-        (LLVM would turn a multiply by a power of two into a shift and an add: two ALU instructions or one LEA)."""
-        return self.asm(self.i32, [a, self._c(b)], f"mad.lo.u32 $0, $1, {ir_int(k)}, $2;", "=r,r,r")
 
     def cvt_f8x2(self, hi, lo, name: str):
         """RNE satfinite cast of two float32 to one fp8 pair (lo in the low byte), as an i32 (upper 16 bits 0)."""
@@ -829,19 +808,9 @@ class JnpOps:
     shl = staticmethod(lambda a, n: a << jnp.uint32(n))
     add = staticmethod(lambda a, b: a + (jnp.uint32(b) if isinstance(b, int) else b))
     sub = staticmethod(lambda a, b: a - (jnp.uint32(b) if isinstance(b, int) else b))
-    minu = staticmethod(lambda a, b: jnp.minimum(a, jnp.uint32(b) if isinstance(b, int) else b))
-    ltu = staticmethod(lambda a, b: a < (jnp.uint32(b) if isinstance(b, int) else b))
-    eq = staticmethod(lambda a, b: a == (jnp.uint32(b) if isinstance(b, int) else b))
-    select = staticmethod(lambda c, a, b: jnp.where(c, jnp.uint32(a) if isinstance(a, int) else a,
-                                                    jnp.uint32(b) if isinstance(b, int) else b))
-    fadd = staticmethod(lambda a, b: a + F32(b))
     fmin_num = staticmethod(lambda a, b: jnp.fmin(a, F32(b)))  # NaN-ignoring, as PTX min.f32
     fmax_num = staticmethod(lambda a, b: jnp.fmax(a, F32(b)))
     abs = staticmethod(jnp.abs)
-
-    @staticmethod
-    def mad(a, k: int, b):
-        return a * jnp.uint32(k) + (jnp.uint32(b) if isinstance(b, int) else b)
 
     @staticmethod
     def prmt(a, b, sel: int):
@@ -863,33 +832,6 @@ class JnpOps:
         return a * F32(b) + c
 
 
-def e2m1_code(y_bits, ops, sign_bits=None):
-    """E2M1 code (sign << 3 | magnitude) of clamp(y, -6, 6) from y's float32 bits, round-to-nearest-even.
-
-    Equal to `jaxrl_fp8.precision.nvfp4.e2m1_codes(clip(y, -6, 6))` for every non-NaN float32 y (the
-    threshold counts there ARE RNE onto the grid 0, .5, 1, 1.5, 2, 3, 4, 6 with ties to the even code):
-      a = min(|y| bits, bits(6.0))                       the clamp, on the bits (|y| <= 6 <=> bits <= 0x40C00000)
-      |y| < 1:  RNE(2|y|) = bits(|y| + 2^22) - bits(2^22)   float add: 2^22 has ulp 0.5, so the add rounds |y|
-                                                           to a multiple of 0.5, ties to even (= even code)
-      |y| >= 1: E2M1 normals have 1 mantissa bit and exponents 0..2, so the code is bits >> 22 minus 252
-                after rounding bits at bit 22 to nearest even: (a + 0x1FFFFF + bit22) >> 22; a carry into the
-                exponent is the next code (codes are monotone in the bits).
-    About 12 integer / float instructions per value instead of 7 compare-and-add pairs.
-    sign_bits: where the sign comes from (default y). The kernels pass x: y = x / d with d > 0 has x's sign
-    whenever y is not NaN, and when x / d overflows, the GPU's Markstein sequence returns NaN (inf - inf) instead
-    of +-inf; its magnitude bits still clamp to 6 (code 7), but a NaN's sign bit is not x's.
-    """
-    a = ops.minu(ops.and_(y_bits, 0x7FFFFFFF), 0x40C00000)
-    small = ops.sub(ops.bits(ops.fadd(ops.float(a), 4194304.0)), 0x4A800000)
-    bit22 = ops.and_(ops.shr(a, 22), 1)
-    normal = ops.shr(ops.add(ops.add(a, bit22), (0x1FFFFF - (252 << 22)) & 0xFFFFFFFF), 22)
-    mag = ops.select(ops.ltu(a, 0x3F800000), small, normal)
-    return ops.or_(mag, ops.and_(ops.shr(y_bits if sign_bits is None else sign_bits, 28), 8))
-
-
-# ------------------------------------------------------------------------------------- NVFP4 v4 formulas
-# Cheaper per-value forms for the NVFP4 v4 body, written over `ops` (MlirOps on the GPU, JnpOps in interpret mode
-# and in the exhaustive checks of experiments/checks/nvfp4_v4_formulas.py). Decision record 0006 gives the counts.
 
 # What `e2m1_magnitude_biased` adds to every magnitude; a word of eight carries it times 0x11111111 (mod 2^32).
 E2M1_BIAS = 0x0B0000FE
@@ -899,7 +841,7 @@ E2M1_WORD_BIAS = (E2M1_BIAS * 0x11111111) & 0xFFFFFFFF
 def e2m1_magnitude_biased(y, ops):
     """E2M1 magnitude code of min(|y|, 6), round-to-nearest-even, plus E2M1_BIAS (mod 2^32): 6 instructions.
 
-    One magic add for every binade instead of e2m1_code's two paths and select: with P = 2^max(e, 0) (e the
+    One magic add for every binade instead of a comparison per E2M1 threshold: with P = 2^max(e, 0) (e the
     exponent of a = min(|y|, 6); P in {1, 2, 4}), s = a + P * 2^22 rounds a to a multiple of P / 2, ties to even,
     which is the E2M1 grid spacing of a's binade (0.5 below 2, then 1, then 2). bits(s) - bits(P) is then
     bits(2^22) - bits(1) + n with n = a / (P / 2) rounded (0..4 for P = 1, 2..4 for P = 2, 2..3 for P = 4), and
@@ -910,25 +852,6 @@ def e2m1_magnitude_biased(y, ops):
     p = ops.and_(ops.bits(ops.fmax_num(a, 1.0)), 0x7F800000)
     s = ops.fma(ops.float(p), 4194304.0, a)  # P * 2^22 is exact; one rounding of the sum
     return ops.add(ops.sub(ops.bits(s), p), ops.shr(p, 22))
-
-
-def e2m1_word(ys, sign_bits, ops):
-    """Eight E2M1 codes (value e in bits 4e..4e+3, sign << 3 | magnitude) in one 32-bit word.
-
-    Magnitudes are added in place (shift-and-add, one instruction each), the bias is subtracted once for the word,
-    and each sign comes straight from bit 31 of its `sign_bits` into bit 4e + 3 (a shift and a masked OR).
-    """
-    w = None
-    for e, y in enumerate(ys):
-        m = e2m1_magnitude_biased(y, ops)
-        w = m if w is None else ops.add(w, ops.shl(m, 4 * e))
-    w = ops.sub(w, E2M1_WORD_BIAS)
-    for e, sb in enumerate(sign_bits):
-        shift = 28 - 4 * e
-        moved = ops.shr(sb, shift) if shift else sb
-        w = ops.or_(w, ops.and_(moved, 8 << (4 * e)))
-    return w
-
 
 
 # ------------------------------------------------------------------------------------- NVFP4 v6 forms
@@ -973,45 +896,3 @@ def sign_word_bf16(raw_words, ops):
     a, b = ops.prmt(w0, w1, _PRMT_SIGNS), ops.prmt(w2, w3, _PRMT_SIGNS)
     even, odd = ops.prmt(a, b, _PRMT_EVEN), ops.prmt(a, b, _PRMT_ODD)
     return ops.or_(ops.and_(even, 0x08080808), ops.and_(odd, 0x80808080))
-
-
-# ------------------------------------------------------------------------------------- NVFP4 v7 form
-# The v6 word with the E2M1 magnitude computed mostly on the FMA pipe. Nsight Compute on the H200 (session 18) showed
-# the integer / logic ALU as the busiest pipe (66 %) of the v5 kernel: it issues at half the rate of the FMA pipe, and
-# v4's magnitude formula spends 5 of its 6 instructions there (two float min/max, an and, an add, a shift-add).
-#
-# With a = |y|, n_k = RNE(a / 2^k) for k = -1, 0, 1 (the E2M1 grid spacings 0.5, 1, 2 of the binades [0, 2), [2, 4),
-# [4, 6]), the contract's code of min(a, 6) is
-#     code = min(n_-1, n_0 + 2, n_1 + 4, 7)
-# Each candidate is right on its binade and above the right one elsewhere (RNE is monotone and adding an even
-# integer keeps its ties: RNE(2a) >= RNE(a + 2) = RNE(a) + 2 for a >= 2, and so on); the 7 is the saturation at 6.
-# With 2^23 added (spacing 1), each candidate is one fma with one rounding:
-#     C_-1 = fma(a, 2, 2^23),  C_0 = fma(a, 1, 2^23 + 2),  C_1 = fma(a, 0.5, 2^23 + 4)
-# and min(C_-1, C_0, C_1, 2^23 + 7) is 2^23 + code exactly, so its bits are 0x4B000000 + code: three float mins
-# (ALU) and three fmas (FMA pipe) instead of five ALU instructions and one fma. PTX min.f32 returns the non-NaN
-# operand, so a NaN y (the Markstein quotient past float32 max, as the contract's +-inf) gives 7; inf gives 7.
-# Checked against the contract's threshold count for all 2^32 float32 y (experiments/checks/nvfp4_v4_formulas.py
-# --part e2m1; its quick subset runs in tests/pallas_kernels/test_nvfp4_v4_formulas.py).
-# The biased codes go into the word by mad.lo (IMAD, FMA pipe) in a tree; the bias leaves once per word.
-
-E2M1_MIN3_BIAS = 0x4B000000
-E2M1_MIN3_WORD_BIAS = (E2M1_MIN3_BIAS * 0x11111111) & 0xFFFFFFFF
-_TWO_23 = 8388608.0
-
-
-def e2m1_magnitude_min3(y, ops):
-    """0x4B000000 + the E2M1 magnitude code of min(|y|, 6), round-to-nearest-even (see above)."""
-    a = ops.abs(y)
-    c_half = ops.fma(a, 2.0, _TWO_23)
-    c_one = ops.fma(a, 1.0, _TWO_23 + 2.0)
-    c_two = ops.fma(a, 0.5, _TWO_23 + 4.0)
-    return ops.bits(ops.fmin_num(ops.fmin_num(c_half, c_one), ops.fmin_num(c_two, _TWO_23 + 7.0)))
-
-
-def e2m1_word_min3(ys, sign_word, ops):
-    """Eight E2M1 codes in one word (value e in bits 4e..4e+3) from e2m1_magnitude_min3 and a sign word."""
-    ms = [e2m1_magnitude_min3(y, ops) for y in ys]
-    pairs = [ops.mad(ms[e + 1], 16, ms[e]) for e in range(0, 8, 2)]
-    quads = [ops.mad(pairs[i + 1], 256, pairs[i]) for i in range(0, 4, 2)]
-    w = ops.mad(quads[1], 65536, quads[0])
-    return ops.or_(ops.sub(w, E2M1_MIN3_WORD_BIAS), sign_word)
