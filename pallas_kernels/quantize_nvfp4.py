@@ -13,7 +13,7 @@ Two versions, same bits (docs/decisions/0006-quantize-kernels.md has the measure
          load of 32-byte bfloat16 rows alone ran at 75 % of an equal-bytes elementwise kernel on the H200, 128-byte
          rows at 97 %: the row width, not the math, held bfloat16 back.
   "v12" (the fallback): one block per tile row, for a tiling whose rows are not a multiple of v14's slab.
-Both divide with Markstein sequences (one correction, `arith_ptx`), compute g and RN(1/g) once per CTA, and look
+Both divide with Markstein sequences (one correction each, `exact_arith`), compute g and RN(1/g) once per CTA, and look
 each row's divisor and reciprocal up in a per-CTA table indexed by its scale byte (one global scale; with one scale
 per expert each tile computes them itself).
 
@@ -40,7 +40,13 @@ from jaxlib.mlir.dialects import arith, memref, vector
 from jaxrl_fp8.precision.arith import F32
 from jaxrl_fp8.precision.formats import AMAX_FLOOR, E4M3_MAX, NVFP4_BLOCK
 from jaxrl_fp8.precision.nvfp4 import nvfp4_global_amax
-from pallas_kernels import quantize_common as C
+from pallas_kernels.e2m1_words import e2m1_word_tree, sign_word_bf16, sign_word_f32
+from pallas_kernels.exact_arith import abs_for_amax, div_mode, F32_MAX, INTERPRET, MARKSTEIN, row_broadcast
+from pallas_kernels.scalar_ops import JnpOps, MlirOps, splat_scalar
+from pallas_kernels.tile_schedules import persistent_kernel
+from pallas_kernels.tiling import (
+    interpret_context, resolve_interpret, row_layout, ROW_PAD, SLAB_ROWS, swizzle_transforms, tile_rows, TileConfig,
+)
 from pallas_kernels.quantize_fp8 import _check_input
 from pallas_kernels.kernel_cache import traced_once
 
@@ -59,9 +65,9 @@ def _tile_scalars_gpu(amax, group, g_ref):
                        return_type=(plgpu.ShapeDtypeStruct((), F32, splat),) * 2)
     def scalars(ctx, amax, group, g_out):
         del ctx
-        o = C.MlirOps()
-        g = o.div_rn(C.splat_scalar(amax), GLOBAL_DIVISOR)
-        memref.store(g, g_out, [arith.index_cast(ir.IndexType.get(), C.splat_scalar(group))])
+        o = MlirOps()
+        g = o.div_rn(splat_scalar(amax), GLOBAL_DIVISOR)
+        memref.store(g, g_out, [arith.index_cast(ir.IndexType.get(), splat_scalar(group))])
         return tuple(mgpu_fa.FragmentedArray.splat(v, (), is_signed=None) for v in (g, o.div_rn(1.0, g)))
 
     return scalars(amax, group, g_ref)
@@ -69,7 +75,7 @@ def _tile_scalars_gpu(amax, group, g_ref):
 
 def _tile_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, scalars=None, table=None,
               blocks_per_row: int = 1):
-    """GPU body of one tile: x [tr / blocks_per_row, 16 * blocks_per_row] in C.row_layout; writes packed, bs and g.
+    """GPU body of one tile: x [tr / blocks_per_row, 16 * blocks_per_row] in row_layout; writes packed, bs and g.
 
     Block b of tile row i is NVFP4 row i * blocks_per_row + b, so the outputs keep their order.
     scalars: (g, RN(1/g)) from the CTA prologue (one global scale), or None: computed here from amax, g stored.
@@ -79,8 +85,8 @@ def _tile_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, scalars=No
 
     Why the bits are the contract's:
     - the per-row divisions amax / 6 and (amax / 6) / g and the per-value x / d are one Markstein correction each
-      (C._MARKSTEIN_ONCE_PTX) with reciprocals computed once (RN(1/6) a constant, RN(1/g) once per tile or CTA,
-      RN(1/d) per row by C._RCP_RN_PTX): RN(a / b) for every float32 a and b while nothing over- or underflows,
+      (exact_arith._MARKSTEIN_ONCE_PTX) with reciprocals computed once (RN(1/6) a constant, RN(1/g) once per tile or CTA,
+      RN(1/d) per row by exact_arith._RCP_RN_PTX): RN(a / b) for every float32 a and b while nothing over- or underflows,
       shown in exact integer arithmetic by experiments/checks/nvfp4_formulas.py. div.rn.f32 would return the same
       bits, but its slow-path branch cuts each row's chain into basic blocks the scheduler cannot overlap.
     - where residuals could underflow (amax / 6 below 2^-123) the block scale rounds to e4m3 0 whatever the float32
@@ -89,13 +95,13 @@ def _tile_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, scalars=No
     - a quotient (amax / 6) / g past float32 max turns the corrections into inf - inf; any with a * r > 1e30 is far
       above 448, so it is replaced by 448, all min(., 448) would keep. A given global amax of inf makes g = inf and
       RN(1/g) = 0: there the quotient is t6 * 0 (0, or NaN for a NaN block), as div.rn gives. An overflowing x / d is
-      NaN, which codes as 6 like the contract's +-inf (C.e2m1_word_tree).
+      NaN, which codes as 6 like the contract's +-inf (e2m1_word_tree).
     - blocks with d == 0 or NaN get their words ANDed with 0 (the contract's "code 0 when d == 0").
     Latency: the kernel waits on dependent instructions, so each word's magnitudes are summed as a tree, its signs
     come as one word (bfloat16: four byte permutes of the raw bf16x2 registers), and two blocks' chains are emitted
     before their values, so they interleave.
     """
-    layout = C.row_layout(NVFP4_BLOCK * blocks_per_row, in_dtype)
+    layout = row_layout(NVFP4_BLOCK * blocks_per_row, in_dtype)
     splat = plgpu.Layout.WG_SPLAT
 
     @plgpu.inline_mgpu(
@@ -105,14 +111,14 @@ def _tile_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, scalars=No
     )
     def body(ctx, x, amax, group, packed, bs_out, g_out, *given):
         del ctx
-        o = C.MlirOps()
+        o = MlirOps()
         index = ir.IndexType.get()
         table_ref = given[2] if table is not None else None
         given = given[:2]
         if given:
-            g, r_g = (C.splat_scalar(v) for v in given)
+            g, r_g = (splat_scalar(v) for v in given)
         else:
-            amax, group = C.splat_scalar(amax), C.splat_scalar(group)
+            amax, group = splat_scalar(amax), splat_scalar(group)
             g = o.div_rn(amax, GLOBAL_DIVISOR)
             memref.store(g, g_out, [arith.index_cast(index, group)])  # every thread stores the same value
             r_g = o.div_rn(1.0, g)
@@ -145,7 +151,7 @@ def _tile_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, scalars=No
             amx = o.abs(vals[0])
             for v in vals[1:]:
                 amx = o.fmax(amx, o.abs(v))
-            amx = o.fselect(o.fle(amx, C.F32_MAX), amx, float("nan"))  # NaN if the block held NaN or inf
+            amx = o.fselect(o.fle(amx, F32_MAX), amx, float("nan"))  # NaN if the block held NaN or inf
             t6 = divide(amx, o.f(6.0), r_6)
             q0 = o.mul(t6, r_g)  # the sequence's first estimate, for the two cases it cannot finish
             tg = divide(t6, g, r_g)
@@ -167,9 +173,9 @@ def _tile_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, scalars=No
             raw = raw_words(j, b) if in_dtype == jnp.bfloat16 else None
             for half in range(2):
                 xs = vals[half * 8:(half + 1) * 8]
-                signs = (C.sign_word_bf16(raw[half * 4:(half + 1) * 4], o) if raw is not None
-                         else C.sign_word_f32([o.bits(x_e) for x_e in xs], o))
-                w = C.e2m1_word_tree([divide(x_e, dd, r) for x_e in xs], signs, o)
+                signs = (sign_word_bf16(raw[half * 4:(half + 1) * 4], o) if raw is not None
+                         else sign_word_f32([o.bits(x_e) for x_e in xs], o))
+                w = e2m1_word_tree([divide(x_e, dd, r) for x_e in xs], signs, o)
                 words.append(arith.andi(w, mask))
             return words
 
@@ -206,7 +212,7 @@ def _tile_gpu(x, amax, group, packed_ref, bs_ref, g_ref, *, in_dtype, scalars=No
 def _row_divisor(o, byte, g):
     """(word mask, divisor, RN(1/divisor)) of a row with e4m3 scale byte `byte` (i32) and global scale g: the
     divisor is d = f32(bs) * g where d > 0, else 1 with mask 0 (the contract's code 0 for d == 0 or NaN); RN(1/d) by
-    C._RCP_RN_PTX (no branch). Shared by the per-row chain and the per-CTA table, so both give the same bits."""
+    exact_arith._RCP_RN_PTX (no branch). Shared by the per-row chain and the per-CTA table, so both give the same bits."""
     d = o.mul(o.e4m3_to_f32(byte), g)
     ok = o.fgt(d, 0.0)
     dd = o.fselect(ok, d, 1.0)
@@ -223,10 +229,10 @@ def _build_scale_table_gpu(g, table_ref):
         del ctx
         from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
 
-        o = C.MlirOps()
+        o = MlirOps()
         index = ir.IndexType.get()
         t = mgpu_utils.thread_idx()  # 0 .. 127: one warpgroup, one byte each
-        mask, dd, r = _row_divisor(o, t, C.splat_scalar(g))
+        mask, dd, r = _row_divisor(o, t, splat_scalar(g))
         entry = vector.from_elements(ir.VectorType.get((4,), o.f32), [dd, r, o.float(mask), o.f(0.0)])
         vector.store(entry, table, [arith.index_cast(index, t), arith.constant(index, 0)])
         mgpu_utils.warpgroup_barrier()
@@ -238,16 +244,16 @@ def _tile_interpret(x, g, in_dtype=jnp.float32):
     """Interpret-mode body: the same steps as `_tile_gpu` in jnp (x [tr, 16] float32, g scalar). The divisions are
     XLA:CPU's IEEE ones (the GPU's Markstein forms are checked against them separately); the words come from the
     formulas the GPU body runs, with the same sign words (bfloat16: gathered from bf16x2 words, as on the GPU)."""
-    o = C.JnpOps
-    bamax = jnp.max(C.abs_for_amax(x, C.INTERPRET), axis=1)
-    bamax = jnp.where(bamax <= C.F32_MAX, bamax, jnp.nan)
+    o = JnpOps
+    bamax = jnp.max(abs_for_amax(x, INTERPRET), axis=1)
+    bamax = jnp.where(bamax <= F32_MAX, bamax, jnp.nan)
     t6 = bamax / lax.optimization_barrier(jnp.full(bamax.shape, 6.0, F32))
     tg = lax.optimization_barrier(t6) / lax.optimization_barrier(jnp.broadcast_to(g, bamax.shape))  # no a/(b*c)
     bs = jnp.minimum(tg, F32(E4M3_MAX)).astype(E4M3)
     d = bs.astype(F32) * g
     ok = d > 0
     dd = jnp.where(ok, d, F32(1.0))
-    y = x / lax.optimization_barrier(C.row_broadcast(dd, x.shape))
+    y = x / lax.optimization_barrier(row_broadcast(dd, x.shape))
     xb = o.bits(x)  # bf16 -> f32 is exact: a bf16 value's bits are the top half of its float32 bits
     words = []
     for h in range(2):
@@ -255,10 +261,10 @@ def _tile_interpret(x, g, in_dtype=jnp.float32):
         if in_dtype == jnp.bfloat16:
             raw = [(xb[:, h * 8 + 2 * i] >> jnp.uint32(16)) | (xb[:, h * 8 + 2 * i + 1] & jnp.uint32(0xFFFF0000))
                    for i in range(4)]
-            signs = C.sign_word_bf16(raw, o)
+            signs = sign_word_bf16(raw, o)
         else:
-            signs = C.sign_word_f32([xb[:, c] for c in cols], o)
-        words.append(C.e2m1_word_tree([y[:, c] for c in cols], signs, o))
+            signs = sign_word_f32([xb[:, c] for c in cols], o)
+        words.append(e2m1_word_tree([y[:, c] for c in cols], signs, o))
     words = jnp.where(ok[:, None], jnp.stack(words, axis=1), jnp.uint32(0))  # [tr, 2]
     packed = lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)  # little-endian: code 0 in the low nibble
     return packed, lax.bitcast_convert_type(bs, jnp.uint8)
@@ -268,14 +274,14 @@ def _nvfp4_tile(t, x_ref, packed_ref, bs_ref, amax_gmem, g_gmem, hoisted=None, *
                 in_dtype, blocks_per_row=1):
     """One tile; x_ref is the tile as [tr / blocks_per_row, 16 * blocks_per_row]. hoisted: (g, RN(1/g), table) from
     the CTA prologue `_hoisted_scalars_gpu` (one global scale, GPU): then no tile loads the amax or divides for g."""
-    layout = C.row_layout(NVFP4_BLOCK * blocks_per_row, in_dtype)
+    layout = row_layout(NVFP4_BLOCK * blocks_per_row, in_dtype)
     if hoisted is not None:
         _tile_gpu(plgpu.load(x_ref, layout=layout), F32(0.0), jnp.int32(0), packed_ref, bs_ref, g_gmem,
                   in_dtype=in_dtype, scalars=hoisted[:2], table=hoisted[2], blocks_per_row=blocks_per_row)
         return
     group = (t * tr) // rows_per_group  # tiles never straddle two global scales
     amax = jnp.maximum(amax_gmem[group], F32(AMAX_FLOOR))
-    if mode == C.INTERPRET:
+    if mode == INTERPRET:
         g = amax / lax.optimization_barrier(F32(GLOBAL_DIVISOR))
         g_gmem[group] = g
         packed, bs = _tile_interpret(x_ref[...].astype(F32).reshape(tr, NVFP4_BLOCK), g, in_dtype)
@@ -305,12 +311,12 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     xp = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)]) if pad else x
     kp = k + pad
     r = math.prod(lead) * kp // NVFP4_BLOCK
-    tr = C.tile_rows(cfg, NVFP4_BLOCK)
+    tr = tile_rows(cfg, NVFP4_BLOCK)
     rows_per_group = r // groups
     if groups > 1 and rows_per_group % tr:
         raise ValueError(f"per-group global scales need {rows_per_group} rows per group to be a multiple of {tr}")
     bpr = blocks_per_row(impl, x.dtype)
-    rp = -(-r // (C.ROW_PAD * bpr)) * C.ROW_PAD * bpr  # tile rows (rp / bpr) stay a multiple of the TMA tiling's 8
+    rp = -(-r // (ROW_PAD * bpr)) * ROW_PAD * bpr  # tile rows (rp / bpr) stay a multiple of the TMA tiling's 8
     x2 = xp.reshape(r, NVFP4_BLOCK)
     if rp != r:
         x2 = jnp.pad(x2, [(0, rp - r), (0, 0)])
@@ -319,20 +325,20 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
     amax = jnp.pad(global_amax.astype(F32), (0, gpad))
     ntiles = pl.cdiv(rp, tr)
     half = NVFP4_BLOCK // 2
-    mode = C.div_mode(interpret, cfg)
-    hoist = groups == 1 and mode != C.INTERPRET
+    mode = div_mode(interpret, cfg)
+    hoist = groups == 1 and mode != INTERPRET
     if tr % tile_rows_multiple(impl, x.dtype):
-        raise ValueError(f"nvfp4 impl={impl!r} keeps one row of {bpr} block(s) per thread in {C.SLAB_ROWS}-row slabs: "
+        raise ValueError(f"nvfp4 impl={impl!r} keeps one row of {bpr} block(s) per thread in {SLAB_ROWS}-row slabs: "
                          f"TileConfig.rows must be a multiple of {tile_rows_multiple(impl, x.dtype)}, got {tr}")
-    if mode not in (C.INTERPRET, C.MARKSTEIN):
+    if mode not in (INTERPRET, MARKSTEIN):
         raise ValueError(f"the nvfp4 kernel divides with the Markstein sequence only (division={cfg.division!r})")
     body = functools.partial(_nvfp4_tile, rows_per_group=max(rows_per_group, 1), tr=tr, mode=mode,
                              in_dtype=jnp.dtype(x.dtype), blocks_per_row=bpr)
-    call = C.persistent_kernel(
+    call = persistent_kernel(
         body,
         name=f"quantize_nvfp4_{impl}",
         out_shapes=[jax.ShapeDtypeStruct((rp * half,), jnp.uint8), jax.ShapeDtypeStruct((rp,), jnp.uint8)],
-        in_tiles=[((tr // bpr, NVFP4_BLOCK * bpr), x.dtype, C.swizzle_transforms(NVFP4_BLOCK * bpr, x.dtype),
+        in_tiles=[((tr // bpr, NVFP4_BLOCK * bpr), x.dtype, swizzle_transforms(NVFP4_BLOCK * bpr, x.dtype),
                    lambda gm, t: gm.at[pl.ds(t * (tr // bpr), tr // bpr)])],
         out_tiles=[
             ((tr * half,), jnp.uint8, (), lambda gm, t: gm.at[pl.ds(t * tr * half, tr * half)]),
@@ -344,7 +350,7 @@ def _quantize(x, global_amax, *, groups, cfg, interpret, impl):
         n_extra_in=1,
         extra_out=[jax.ShapeDtypeStruct((groups + gpad,), F32)],
         prologue=_hoisted_scalars_gpu if hoist else None,
-        prologue_scratch=[plgpu.SMEM((C.SLAB_ROWS, 4), F32)] if hoist else (),
+        prologue_scratch=[plgpu.SMEM((SLAB_ROWS, 4), F32)] if hoist else (),
     )
     packed, bs, g = call(x2, amax)
     bs = lax.bitcast_convert_type(bs, E4M3)
@@ -368,7 +374,7 @@ def blocks_per_row(impl: str, dtype) -> int:
 
 def tile_rows_multiple(impl: str, dtype) -> int:
     """Tiles of `impl` hold a multiple of this many rows (blocks): one 128-row slab of tile rows per warpgroup."""
-    return C.SLAB_ROWS * blocks_per_row(impl, dtype)
+    return SLAB_ROWS * blocks_per_row(impl, dtype)
 
 
 # The defaults, from the H200 runs with five interleaved timing rounds (decision record 0006,
@@ -376,12 +382,12 @@ def tile_rows_multiple(impl: str, dtype) -> int:
 # wall clock (v12, same tiles: 72.0 %) and 96.0 % of the 1 GiB elementwise kernel's bandwidth in GPU time; float32
 # 84.5 % (v12 83.3 %) and 95.8 %. bfloat16: 1024-row tiles, 2 CTAs per SM, dynamic schedule; float32: 768 rows,
 # 3 CTAs per SM, static.
-DEFAULT_TILES = C.TileConfig(rows=1024, ctas_per_sm=2, schedule="dynamic")  # bfloat16 (and float16) input
-DEFAULT_TILES_F32 = C.TileConfig(rows=768, ctas_per_sm=3)
+DEFAULT_TILES = TileConfig(rows=1024, ctas_per_sm=2, schedule="dynamic")  # bfloat16 (and float16) input
+DEFAULT_TILES_F32 = TileConfig(rows=768, ctas_per_sm=3)
 DEFAULT_IMPL = "v14"
 
 
-def default_tiles(dtype, groups: int = 1, rows_per_expert: int = 0, impl: str | None = None) -> C.TileConfig:
+def default_tiles(dtype, groups: int = 1, rows_per_expert: int = 0, impl: str | None = None) -> TileConfig:
     """The measured tiling for input `dtype`, with shorter tiles when per-expert global scales need tiles that divide
     an expert's rows (a tile never straddles two global scales; otherwise each expert is quantized by its own
     launch). Shorter tiles stay a multiple of the rows `impl` keeps per 128-thread slab (v14: more)."""
@@ -394,17 +400,17 @@ def default_tiles(dtype, groups: int = 1, rows_per_expert: int = 0, impl: str | 
     return dataclasses.replace(base, rows=rows)
 
 
-def default_impl(x, config: C.TileConfig | None = None) -> str:
+def default_impl(x, config: TileConfig | None = None) -> str:
     """The kernel version `nvfp4` uses when the caller names none: DEFAULT_IMPL, or v12 (same bits, 32-byte tile
     rows) when a given tiling's rows are not a multiple of the rows DEFAULT_IMPL keeps per 128-thread slab."""
-    if config is not None and C.tile_rows(config, NVFP4_BLOCK) % tile_rows_multiple(DEFAULT_IMPL, x.dtype):
+    if config is not None and tile_rows(config, NVFP4_BLOCK) % tile_rows_multiple(DEFAULT_IMPL, x.dtype):
         return "v12"
     return DEFAULT_IMPL
 
 
 @traced_once("four_over_six", "interpret", "config", "impl")
 def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool = False,
-          config: C.TileConfig | None = None, impl: str | None = None):
+          config: TileConfig | None = None, impl: str | None = None):
     """Kernel form of `jaxrl_fp8.precision.quantize_nvfp4`: (packed uint8 [..., Kp/2], e4m3 [..., Kp/16], g).
 
     global_amax: None (the tensor's finite amax, one XLA reduction before the kernel), a scalar, or an
@@ -436,12 +442,12 @@ def nvfp4(x, *, global_amax=None, four_over_six: bool = False, interpret: bool =
             f"nvfp4 kernel: global_amax shape {global_amax.shape} not supported for x {x.shape}; "
             "use a scalar or one value per leading slice (x.shape[:1])"
         )
-    interpret = C.resolve_interpret(interpret)
+    interpret = resolve_interpret(interpret)
     shape = global_amax.shape
     rows_per_expert = math.prod(x.shape[1:-1]) * (-(-x.shape[-1] // NVFP4_BLOCK))
     cfg = config or default_tiles(x.dtype, groups, rows_per_expert, impl)
-    with C.interpret_context(interpret):
-        if groups > 1 and rows_per_expert % C.tile_rows(cfg, NVFP4_BLOCK):
+    with interpret_context(interpret):
+        if groups > 1 and rows_per_expert % tile_rows(cfg, NVFP4_BLOCK):
             outs = [_quantize(x[i], global_amax[i].reshape(1), groups=1, cfg=cfg, interpret=interpret, impl=impl)
                     for i in range(groups)]
             return (jnp.stack([o[0] for o in outs]), jnp.stack([o[1] for o in outs]),

@@ -2,7 +2,7 @@
 
     PYTHONPATH=src:. python experiments/checks/nvfp4_formulas.py [--part NAME|all] [--quick] [--out JSON]
 
-1. e2m1: `quantize_common.e2m1_magnitude_biased` (one magic add for every binade) minus its bias equals the
+1. e2m1: `e2m1_words.e2m1_magnitude_biased` (one magic add for every binade) minus its bias equals the
    contract's threshold count (`jaxrl_fp8.precision.nvfp4.e2m1_codes` of clip(y, -6, 6)) for all 2^32 float32
    bit patterns y; a NaN y (the Markstein quotient past float32 max) gives magnitude 7, as the contract's
    saturated +-inf does. Runs the same function the interpret-mode kernel runs (JnpOps, XLA:CPU).
@@ -18,7 +18,7 @@
    such pairs of every float32 significand of d are enumerated and run through the exact chain.
 4. reciprocal: one Markstein correction of a reciprocal estimate, e = RN(1 - d r), r' = RN(r + e r), gives
    RN(1/d) from every estimate r within 1 ulp of 1/d, for all 2^23 float32 significands of d except the
-   all-ones one (the NVFP4 kernel's per-row reciprocal, `quantize_common._RCP_RN_PTX`, which gives that one its closed
+   all-ones one (the NVFP4 kernel's per-row reciprocal, `exact_arith._RCP_RN_PTX`, which gives that one its closed
    form and reaches 1 ulp with a Newton step from the hardware estimate; the GPU test compares it with div.rn).
 `--quick` checks a subset (what tests/pallas_kernels/test_nvfp4_formulas.py runs in CI).
 """
@@ -266,7 +266,8 @@ def check_e2m1(quick: bool, chunk_bits: int = 24) -> dict:
     from jax import lax
 
     from jaxrl_fp8.precision.nvfp4 import e2m1_codes
-    from pallas_kernels import quantize_common as C
+    from pallas_kernels.e2m1_words import E2M1_BIAS, e2m1_magnitude_biased
+    from pallas_kernels.scalar_ops import JnpOps
 
     @jax.jit
     def mismatches(bits_u32):
@@ -274,7 +275,7 @@ def check_e2m1(quick: bool, chunk_bits: int = 24) -> dict:
         y = lax.bitcast_convert_type(bits_u32, jnp.float32)
         want = (e2m1_codes(jnp.clip(y, -6.0, 6.0)) & 7).astype(jnp.uint32)
         want = jnp.where(jnp.isnan(y), jnp.uint32(7), want)
-        got = (C.e2m1_magnitude_biased(y, C.JnpOps) - jnp.uint32(C.E2M1_BIAS)).astype(jnp.uint32)
+        got = (e2m1_magnitude_biased(y, JnpOps) - jnp.uint32(E2M1_BIAS)).astype(jnp.uint32)
         return jnp.sum(got != want), jnp.sum(jnp.isnan(y))
 
     n = 1 << chunk_bits

@@ -13,7 +13,8 @@ import pytest
 from jax import lax
 
 from jaxrl_fp8 import precision as P
-from pallas_kernels import quantize_common as C
+from pallas_kernels.e2m1_words import e2m1_word_tree, sign_word_bf16, sign_word_f32
+from pallas_kernels.scalar_ops import JnpOps
 
 _spec = importlib.util.spec_from_file_location(
     "nvfp4_formulas", Path(__file__).parents[2] / "experiments/checks/nvfp4_formulas.py")
@@ -81,14 +82,14 @@ def test_e2m1_word_packs_the_contracts_codes_with_signs_from_x(sign_source):
     x = np.where(rng.random((n, 8)) < 0.5, -1.0, 1.0).astype(np.float32) * np.abs(y)
     x[:3] = y[:3]
     x = x.astype(jnp.bfloat16).astype(np.float32)  # bf16 values, so both sign sources see the same signs
-    o = C.JnpOps
+    o = JnpOps
     yj, xb = jnp.asarray(y), o.bits(jnp.asarray(x))
     if sign_source == "f32":
-        signs = C.sign_word_f32([xb[:, e] for e in range(8)], o)
+        signs = sign_word_f32([xb[:, e] for e in range(8)], o)
     else:
         raw = [(xb[:, 2 * i] >> jnp.uint32(16)) | (xb[:, 2 * i + 1] & jnp.uint32(0xFFFF0000)) for i in range(4)]
-        signs = C.sign_word_bf16(raw, o)
-    w = np.asarray(C.e2m1_word_tree([yj[:, e] for e in range(8)], signs, o))
+        signs = sign_word_bf16(raw, o)
+    w = np.asarray(e2m1_word_tree([yj[:, e] for e in range(8)], signs, o))
     mags = np.asarray(P.nvfp4.e2m1_codes(jnp.clip(yj, -6.0, 6.0))).astype(np.uint32) & 7
     codes = mags | (np.signbit(x).astype(np.uint32) << 3)
     want = np.bitwise_or.reduce(codes << (4 * np.arange(8, dtype=np.uint32)), axis=1)
@@ -96,17 +97,17 @@ def test_e2m1_word_packs_the_contracts_codes_with_signs_from_x(sign_source):
     # a NaN quotient (x / d overflowed on the GPU) codes as +-6 by the sign of x
     nan = lax.bitcast_convert_type(jnp.full((1,), 0xFFC00000, jnp.uint32), jnp.float32)
     neg = o.bits(jnp.full((1,), -3e38, jnp.float32))
-    signs = C.sign_word_f32([neg] * 8, o)
-    assert np.asarray(C.e2m1_word_tree([nan] * 8, signs, o))[0] == 0xFFFFFFFF
+    signs = sign_word_f32([neg] * 8, o)
+    assert np.asarray(e2m1_word_tree([nan] * 8, signs, o))[0] == 0xFFFFFFFF
 
 
 def test_prmt_emulation_follows_the_ptx_definition():
     """JnpOps.prmt (what interpret mode runs for the GPU's prmt.b32): byte selects from {b, a} and sign replication."""
     a, b = jnp.uint32(0x80112233), jnp.uint32(0x44556677)
-    assert int(C.JnpOps.prmt(a, b, 0x3210)) == 0x80112233
-    assert int(C.JnpOps.prmt(a, b, 0x7654)) == 0x44556677
-    assert int(C.JnpOps.prmt(a, b, 0x0004)) == 0x33333377
-    assert int(C.JnpOps.prmt(a, b, 0xB3B3)) == 0xFF80FF80  # byte 3 of a (0x80) sign-replicated, and as is
+    assert int(JnpOps.prmt(a, b, 0x3210)) == 0x80112233
+    assert int(JnpOps.prmt(a, b, 0x7654)) == 0x44556677
+    assert int(JnpOps.prmt(a, b, 0x0004)) == 0x33333377
+    assert int(JnpOps.prmt(a, b, 0xB3B3)) == 0xFF80FF80  # byte 3 of a (0x80) sign-replicated, and as is
 
 
 def test_hard_pairs_are_every_pair_near_a_midpoint():

@@ -360,7 +360,7 @@ def test_nvfp4_small_and_per_expert_shapes_interpret(shape, in_dtype, global_ama
 
 
 def test_divide_rows_interpret_is_ieee():
-    from pallas_kernels.quantize_common import divide_rows
+    from tests.pallas_kernels.division_probes import divide_rows
 
     x = rand((64, 128), 1) * np.float32(3.0)
     s = jnp.asarray(np.abs(np.asarray(rand((64, 1), 2)))[:, 0] + np.float32(1e-3))
@@ -382,9 +382,9 @@ def _cpu_reference(fn, *args, **kwargs):
 
 @pytest.mark.gpu
 def test_gpu_branch_free_reciprocal_equals_div_rn_on_every_significand():
-    """C._RCP_RN_PTX (NVFP4's per-row RN(1/d): estimate, Newton step, Markstein correction, all-ones closed
+    """exact_arith._RCP_RN_PTX (NVFP4's per-row RN(1/d): estimate, Newton step, Markstein correction, all-ones closed
     form) == div.rn.f32(1, d) for all 2^23 float32 significands at exponents across NVFP4's range of d."""
-    from pallas_kernels.quantize_common import reciprocals
+    from tests.pallas_kernels.division_probes import reciprocals
 
     sig = np.arange(1 << 23, dtype=np.uint32)
     for e in (-54, -30, -1, 0, 1, 40, 125):
@@ -396,7 +396,7 @@ def test_gpu_branch_free_reciprocal_equals_div_rn_on_every_significand():
 @pytest.mark.gpu
 def test_gpu_markstein_division_equals_div_rn():
     """The per-value division (mul + 2 FMA corrections by RN(1/s)) == div.rn.f32 == numpy, on 50M quotients."""
-    from pallas_kernels.quantize_common import divide_rows
+    from tests.pallas_kernels.division_probes import divide_rows
 
     rng = np.random.default_rng(0)
     rows = 1 << 16
