@@ -1,6 +1,7 @@
-"""The NVFP4 v4 / v5 shortcuts (pallas_kernels.quantize_common): the E2M1 word formula, one Markstein correction
-of the quotient and of a reciprocal estimate, against the contract and against exact rational arithmetic. The full exhaustive runs are
-experiments/checks/nvfp4_v4_formulas.py (results/nvfp4_v4_formulas_cpu.json); here their quick subsets run."""
+"""The NVFP4 kernel's shortcuts: the E2M1 word formula with its sign words, one Markstein correction of the
+quotient and of a reciprocal estimate, against the contract and against exact rational arithmetic. The full
+exhaustive runs are experiments/checks/nvfp4_formulas.py (results/nvfp4_formulas_cpu.json); here their quick
+subsets run."""
 
 import importlib.util
 from fractions import Fraction
@@ -12,10 +13,11 @@ import pytest
 from jax import lax
 
 from jaxrl_fp8 import precision as P
-from pallas_kernels import quantize_common as C
+from pallas_kernels.e2m1_words import e2m1_word_tree, sign_word_bf16, sign_word_f32
+from pallas_kernels.scalar_ops import JnpOps
 
 _spec = importlib.util.spec_from_file_location(
-    "nvfp4_v4_formulas", Path(__file__).parents[2] / "experiments/checks/nvfp4_v4_formulas.py")
+    "nvfp4_formulas", Path(__file__).parents[2] / "experiments/checks/nvfp4_formulas.py")
 checks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(checks)
 
@@ -39,10 +41,9 @@ def _rn24(v: Fraction) -> Fraction:
 def test_quick_exhaustive_subsets_pass():
     e2m1 = checks.check_e2m1(quick=True)
     assert e2m1["mismatches"] == 0 and e2m1["values"] >= 3 * (1 << 24) and e2m1["nan_values"] > 0
-    assert e2m1["mismatches_min3"] == 0
     mk = checks.check_markstein(quick=True)
     assert mk["failing_pairs"] == 0 and mk["pairs"] > 1_000_000
-    rc = checks.check_reciprocal(quick=True)  # the all-ones significand fails: the v5 kernel special-cases it
+    rc = checks.check_reciprocal(quick=True)  # the all-ones significand fails: the kernel special-cases it
     assert rc["failing_d_significands"] == ["0xffffff"] and rc["estimates_checked"] > 200_000
 
 
@@ -68,62 +69,45 @@ def test_integer_markstein_check_equals_rational_arithmetic():
     assert q0_misses > 50
 
 
-def test_e2m1_word_packs_the_contracts_codes_with_signs_from_x():
-    rng = np.random.default_rng(1)
+@pytest.mark.parametrize("sign_source", ["f32", "bf16"])
+def test_e2m1_word_packs_the_contracts_codes_with_signs_from_x(sign_source):
+    """The kernel's word (tree-summed magnitudes, a sign word from float32 bits or gathered from raw bf16x2 registers
+    by byte permutes) packs the contract's codes with x's signs: ties, signed zeros, saturation, NaN quotients."""
+    rng = np.random.default_rng(2)
     n = 4096
     y = rng.standard_normal((n, 8)).astype(np.float32) * np.exp2(rng.integers(-4, 4, (n, 1))).astype(np.float32)
     y[0] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]  # ties
     y[1] = [-0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -1e30]
     y[2] = [0.0, -0.0, 1e-45, -1e-40, 7.0, -np.inf, np.inf, 0.5]
-    x_sign = np.where(rng.random((n, 8)) < 0.5, -1.0, 1.0).astype(np.float32) * np.abs(y)
-    x_sign[:3] = y[:3]
-    yj, xj = jnp.asarray(y), jnp.asarray(x_sign)
-    o = C.JnpOps
-    w = np.asarray(C.e2m1_word([yj[:, e] for e in range(8)], [o.bits(xj[:, e]) for e in range(8)], o))
+    x = np.where(rng.random((n, 8)) < 0.5, -1.0, 1.0).astype(np.float32) * np.abs(y)
+    x[:3] = y[:3]
+    x = x.astype(jnp.bfloat16).astype(np.float32)  # bf16 values, so both sign sources see the same signs
+    o = JnpOps
+    yj, xb = jnp.asarray(y), o.bits(jnp.asarray(x))
+    if sign_source == "f32":
+        signs = sign_word_f32([xb[:, e] for e in range(8)], o)
+    else:
+        raw = [(xb[:, 2 * i] >> jnp.uint32(16)) | (xb[:, 2 * i + 1] & jnp.uint32(0xFFFF0000)) for i in range(4)]
+        signs = sign_word_bf16(raw, o)
+    w = np.asarray(e2m1_word_tree([yj[:, e] for e in range(8)], signs, o))
     mags = np.asarray(P.nvfp4.e2m1_codes(jnp.clip(yj, -6.0, 6.0))).astype(np.uint32) & 7
-    codes = mags | (np.signbit(x_sign).astype(np.uint32) << 3)
+    codes = mags | (np.signbit(x).astype(np.uint32) << 3)
     want = np.bitwise_or.reduce(codes << (4 * np.arange(8, dtype=np.uint32)), axis=1)
     np.testing.assert_array_equal(w, want)
     # a NaN quotient (x / d overflowed on the GPU) codes as +-6 by the sign of x
     nan = lax.bitcast_convert_type(jnp.full((1,), 0xFFC00000, jnp.uint32), jnp.float32)
     neg = o.bits(jnp.full((1,), -3e38, jnp.float32))
-    got = np.asarray(C.e2m1_word([nan] * 8, [neg] * 8, o))
-    assert got[0] == 0xFFFFFFFF
-
-
-@pytest.mark.parametrize("sign_source", ["f32", "bf16"])
-def test_v6_v7_words_equal_the_v4_word(sign_source):
-    """v6's tree word and v7's min-of-three word, with their sign words (from float32 bits, or gathered from raw
-    bf16x2 registers by byte permutes), are v4's word bit for bit: ties, signed zeros, saturation, NaN quotients."""
-    rng = np.random.default_rng(2)
-    n = 4096
-    y = rng.standard_normal((n, 8)).astype(np.float32) * np.exp2(rng.integers(-4, 4, (n, 1))).astype(np.float32)
-    y[0] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]
-    y[1] = [-0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -1e30]
-    y[2] = [0.0, -0.0, 1e-45, -1e-40, 7.0, -np.inf, np.inf, np.nan]
-    x = np.where(rng.random((n, 8)) < 0.5, -1.0, 1.0).astype(np.float32) * np.abs(np.nan_to_num(y))
-    x[:3] = np.nan_to_num(y[:3], nan=-3e38)
-    x = x.astype(jnp.bfloat16).astype(np.float32)  # bf16 values, so both sign sources see the same signs
-    o = C.JnpOps
-    yj, xb = jnp.asarray(y), o.bits(jnp.asarray(x))
-    ys = [yj[:, e] for e in range(8)]
-    want = np.asarray(C.e2m1_word(ys, [xb[:, e] for e in range(8)], o))
-    if sign_source == "f32":
-        signs = C.sign_word_f32([xb[:, e] for e in range(8)], o)
-    else:
-        raw = [(xb[:, 2 * i] >> jnp.uint32(16)) | (xb[:, 2 * i + 1] & jnp.uint32(0xFFFF0000)) for i in range(4)]
-        signs = C.sign_word_bf16(raw, o)
-    np.testing.assert_array_equal(np.asarray(C.e2m1_word_tree(ys, signs, o)), want)
-    np.testing.assert_array_equal(np.asarray(C.e2m1_word_min3(ys, signs, o)), want)
+    signs = sign_word_f32([neg] * 8, o)
+    assert np.asarray(e2m1_word_tree([nan] * 8, signs, o))[0] == 0xFFFFFFFF
 
 
 def test_prmt_emulation_follows_the_ptx_definition():
     """JnpOps.prmt (what interpret mode runs for the GPU's prmt.b32): byte selects from {b, a} and sign replication."""
     a, b = jnp.uint32(0x80112233), jnp.uint32(0x44556677)
-    assert int(C.JnpOps.prmt(a, b, 0x3210)) == 0x80112233
-    assert int(C.JnpOps.prmt(a, b, 0x7654)) == 0x44556677
-    assert int(C.JnpOps.prmt(a, b, 0x0004)) == 0x33333377
-    assert int(C.JnpOps.prmt(a, b, 0xB3B3)) == 0xFF80FF80  # byte 3 of a (0x80) sign-replicated, and as is
+    assert int(JnpOps.prmt(a, b, 0x3210)) == 0x80112233
+    assert int(JnpOps.prmt(a, b, 0x7654)) == 0x44556677
+    assert int(JnpOps.prmt(a, b, 0x0004)) == 0x33333377
+    assert int(JnpOps.prmt(a, b, 0xB3B3)) == 0xFF80FF80  # byte 3 of a (0x80) sign-replicated, and as is
 
 
 def test_hard_pairs_are_every_pair_near_a_midpoint():

@@ -1,27 +1,26 @@
-"""Exhaustive CPU checks of the shortcuts of the NVFP4 v4 .. v7 kernel bodies (decision record 0006).
+"""Exhaustive CPU checks of the NVFP4 kernel's arithmetic shortcuts (decision record 0006).
 
-    PYTHONPATH=src:. python experiments/checks/nvfp4_v4_formulas.py [--part NAME|all] [--quick] [--out JSON]
+    PYTHONPATH=src:. python experiments/checks/nvfp4_formulas.py [--part NAME|all] [--quick] [--out JSON]
 
-1. e2m1: `quantize_common.e2m1_magnitude_biased` (one magic add for every binade) minus its bias equals the
+1. e2m1: `e2m1_words.e2m1_magnitude_biased` (one magic add for every binade) minus its bias equals the
    contract's threshold count (`jaxrl_fp8.precision.nvfp4.e2m1_codes` of clip(y, -6, 6)) for all 2^32 float32
    bit patterns y; a NaN y (the Markstein quotient past float32 max) gives magnitude 7, as the contract's
-   saturated +-inf does. Runs the same function the interpret-mode kernel runs (JnpOps, XLA:CPU). The same
-   pass checks v7's `quantize_common.e2m1_magnitude_min3` (the code as min of three fma candidates and 7).
+   saturated +-inf does. Runs the same function the interpret-mode kernel runs (JnpOps, XLA:CPU).
 2. markstein: one Markstein correction q1 = RN(q0 + RN(x - q0 d) r), q0 = RN(x r), r = RN(1/d), equals RN(x / d)
    for every bfloat16 significand of x (2^7) and every float32 significand of d (2^23), in exact integer
    arithmetic (no floating point involved, so no double rounding in the check itself; an emulation through
    float64 would report false failures, e.g. x = 1, d = 2 - 2^-23, where float64 rounds q0 + e r onto a float32
    tie). Scale invariance covers every exponent pair while nothing overflows or underflows; the kernel's
    operands stay in that range wherever the code depends on the quotient (docstring of
-   `quantize_nvfp4._v2_gpu`).
+   `quantize_nvfp4._tile_gpu`).
 3. markstein_f32: the same for float32 x, whose 2^46 significand pairs cannot be enumerated: a failure needs a
    rounding midpoint within 2^-22 ulp of x / d, which bounds |X 2^s - M D| (comment above `hard_pairs`); all
    such pairs of every float32 significand of d are enumerated and run through the exact chain.
 4. reciprocal: one Markstein correction of a reciprocal estimate, e = RN(1 - d r), r' = RN(r + e r), gives
    RN(1/d) from every estimate r within 1 ulp of 1/d, for all 2^23 float32 significands of d except the
-   all-ones one (NVFP4 v5's per-row reciprocal, `quantize_common._RCP_RN_PTX`, which gives that one its closed
+   all-ones one (the NVFP4 kernel's per-row reciprocal, `exact_arith._RCP_RN_PTX`, which gives that one its closed
    form and reaches 1 ulp with a Newton step from the hardware estimate; the GPU test compares it with div.rn).
-`--quick` checks a subset (what tests/pallas_kernels/test_nvfp4_v4_formulas.py runs in CI).
+`--quick` checks a subset (what tests/pallas_kernels/test_nvfp4_formulas.py runs in CI).
 """
 
 from __future__ import annotations
@@ -267,34 +266,33 @@ def check_e2m1(quick: bool, chunk_bits: int = 24) -> dict:
     from jax import lax
 
     from jaxrl_fp8.precision.nvfp4 import e2m1_codes
-    from pallas_kernels import quantize_common as C
+    from pallas_kernels.e2m1_words import E2M1_BIAS, e2m1_magnitude_biased
+    from pallas_kernels.scalar_ops import JnpOps
 
     @jax.jit
     def mismatches(bits_u32):
-        """(v4 formula misses, v7 formula misses, NaN inputs) in one chunk of float32 bit patterns."""
+        """(formula misses, NaN inputs) in one chunk of float32 bit patterns."""
         y = lax.bitcast_convert_type(bits_u32, jnp.float32)
         want = (e2m1_codes(jnp.clip(y, -6.0, 6.0)) & 7).astype(jnp.uint32)
         want = jnp.where(jnp.isnan(y), jnp.uint32(7), want)
-        v4 = (C.e2m1_magnitude_biased(y, C.JnpOps) - jnp.uint32(C.E2M1_BIAS)).astype(jnp.uint32)
-        v7 = (C.e2m1_magnitude_min3(y, C.JnpOps) - jnp.uint32(C.E2M1_MIN3_BIAS)).astype(jnp.uint32)
-        return jnp.sum(v4 != want), jnp.sum(v7 != want), jnp.sum(jnp.isnan(y))
+        got = (e2m1_magnitude_biased(y, JnpOps) - jnp.uint32(E2M1_BIAS)).astype(jnp.uint32)
+        return jnp.sum(got != want), jnp.sum(jnp.isnan(y))
 
     n = 1 << chunk_bits
     starts = range(0, 1 << 32, n)
     if quick:  # the chunks holding [0, 6.5] and [-6.5, 0], and one of NaNs
         starts = [s for s in starts if s < 0x40D00000 and (s + n) > 0x3E000000] + [0x7F800000 - n // 2, 0xBF800000]
-    bad = bad_min3 = nans = total = 0
+    bad = nans = total = 0
     base = jnp.arange(n, dtype=jnp.uint32)
     for s in starts:
-        b, b3, nn = mismatches(base + jnp.uint32(s))
-        bad, bad_min3, nans, total = bad + int(b), bad_min3 + int(b3), nans + int(nn), total + n
-    # mismatches: v4 / v5 / v6's formula (C.e2m1_magnitude_biased); mismatches_min3: v7's (C.e2m1_magnitude_min3)
-    return {"values": total, "nan_values": nans, "mismatches": bad, "mismatches_min3": bad_min3}
+        b, nn = mismatches(base + jnp.uint32(s))
+        bad, nans, total = bad + int(b), nans + int(nn), total + n
+    return {"values": total, "nan_values": nans, "mismatches": bad}
 
 
 # --part name -> (JSON key, check, printed label, whether its result passes)
 PARTS = {
-    "e2m1": ("e2m1", check_e2m1, "e2m1", lambda r: r["mismatches"] == 0 and r["mismatches_min3"] == 0),
+    "e2m1": ("e2m1", check_e2m1, "e2m1", lambda r: r["mismatches"] == 0),
     "markstein": ("markstein_once_bf16", check_markstein, "markstein (one correction, bfloat16 x)",
                   lambda r: r["failing_pairs"] == 0),
     "markstein_f32": ("markstein_once_f32", check_markstein_f32, "markstein (one correction, float32 x, hard pairs)",
