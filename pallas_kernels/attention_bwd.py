@@ -20,7 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention_common import F32, LOG2E, a_operand, a_staging, row_vector, swizzled, wgmma_fresh
+from pallas_kernels.attention_common import (
+    F32, LOG2E, a_operand, a_staging, block_pipeline, kernel_call, row_vector, swizzled, wgmma_fresh)
 from pallas_kernels.interpret import launch
 from pallas_kernels.kernel_cache import traced_once
 
@@ -102,16 +103,11 @@ def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
             return dq, row_start, row_lse, row_delta
 
         kv_spec = plgpu.BlockSpec((BWD_BLOCK, d), lambda s: (s, 0), transforms=transforms)
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            body, grid=(kv_steps,), memory_registers=40, in_specs=[kv_spec, kv_spec], wg_axis="wg",
-            num_compute_wgs=2, max_concurrent_steps=stages, manual_consumed_barriers=True,
-            compute_context=compute_thread)
+        pipeline = block_pipeline(body, kv_steps, [kv_spec, kv_spec], stages=stages, compute_wgs=2,
+                                  compute_thread=compute_thread)
         pipeline(k_ref.at[bi, :, kvh, :], v_ref.at[bi, :, kvh, :])
 
-    call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(h, t // CTA_ROWS, b),
-        grid_names=("heads", "q_seq", "batch"), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    call = kernel_call(kernel, jax.ShapeDtypeStruct(q.shape, dtype), (h, t // CTA_ROWS, b), ("heads", "q_seq", "batch"), 2)
     return launch(call, q, k, v, starts, do, lse2, delta, interpret=interpret)
 
 
@@ -191,18 +187,13 @@ def _dkv(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
             return plgpu.BlockSpec((None, BWD_BLOCK), lambda i: head_and_block(i))
 
         start_spec = plgpu.BlockSpec((BWD_BLOCK,), lambda i: (head_and_block(i)[1],))
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            body, grid=(group * steps_per_head,), memory_registers=40,
-            in_specs=[rows_spec(), rows_spec(), stat_spec(), stat_spec(), start_spec], wg_axis="wg",
-            num_compute_wgs=2, max_concurrent_steps=stages, manual_consumed_barriers=True,
-            compute_context=compute_thread)
+        specs = [rows_spec(), rows_spec(), stat_spec(), stat_spec(), start_spec]
+        pipeline = block_pipeline(body, group * steps_per_head, specs, stages=stages, compute_wgs=2,
+                                  compute_thread=compute_thread)
         pipeline(q_ref.at[bi], do_ref.at[bi], lse_ref.at[bi], delta_ref.at[bi], start_ref.at[bi])
 
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-    call = plgpu.kernel(
-        kernel, out_type=(kv_type, kv_type), grid=(hkv, t // CTA_ROWS, b), grid_names=("kv_heads", "kv_seq", "batch"),
-        num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    call = kernel_call(kernel, (kv_type, kv_type), (hkv, t // CTA_ROWS, b), ("kv_heads", "kv_seq", "batch"), 2)
     return launch(call, q, k, v, starts, do, lse2, delta, interpret=interpret)
 
 

@@ -86,3 +86,26 @@ def a_operand(x, staging, wg, interpret: bool):
 def row_vector(ref):
     """A [BLOCK_Q] float32 / int32 GMEM slice as a per-row vector of the wgmma layout."""
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+
+def initial_softmax_state(rows: int, d: int):
+    """(acc, m, l) of rows that have seen no key: acc = 0, m = -inf, l = 0, in the wgmma layouts."""
+    m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, F32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.full((rows,), 0.0, F32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((rows, d), 0.0, F32), plgpu.Layout.WGMMA)
+    return acc, m_i, l_i
+
+
+def block_pipeline(body, steps, in_specs, *, stages: int, compute_wgs: int, compute_thread):
+    """The family's warp-specialized TMA pipeline: one memory warpgroup (40 registers) feeding `compute_wgs`
+    compute warpgroups, which arrive on the consumed barriers themselves (as soon as a block is read)."""
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg", num_compute_wgs=compute_wgs,
+        max_concurrent_steps=stages, manual_consumed_barriers=True, compute_context=compute_thread)
+
+
+def kernel_call(kernel, out_type, grid, grid_names, compute_wgs: int):
+    """plgpu.kernel with the family's settings: warpgroup semantics, approximate exp2 / log2 (deterministic)."""
+    return plgpu.kernel(
+        kernel, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=compute_wgs + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))

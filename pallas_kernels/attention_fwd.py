@@ -16,8 +16,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention_common import (
-    BLOCK_KV, BLOCK_Q, F32, LOG2E, a_operand, a_staging, finish_rows, online_softmax_step, row_vector, swizzled,
-    visible_keys, wgmma_fresh)
+    BLOCK_KV, BLOCK_Q, F32, LOG2E, a_operand, a_staging, block_pipeline, finish_rows, initial_softmax_state,
+    kernel_call, online_softmax_step, row_vector, swizzled, visible_keys, wgmma_fresh)
 from pallas_kernels.interpret import launch
 from pallas_kernels.kernel_cache import traced_once
 
@@ -57,9 +57,7 @@ def forward(q, k, v, starts, *, scale: float, stages: int, interpret: bool):
             row_start = row_vector(start_ref.at[bi, pl.ds(row0, BLOCK_Q)])
             row_pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q,), 0, layout=plgpu.Layout.WGMMA.reduce(1)) + row0
             plgpu.barrier_wait(q_barriers.at[wg])
-            m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, F32), plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, F32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, F32), plgpu.Layout.WGMMA)
+            acc, m_i, l_i = initial_softmax_state(BLOCK_Q, d)
             acc, m_i, l_i = pipeline((acc, m_i, l_i, row_pos, row_start))[:3]
             out, lse2 = finish_rows(acc, m_i, l_i)
             qo_smem[...] = out.astype(dtype)
@@ -85,19 +83,10 @@ def forward(q, k, v, starts, *, scale: float, stages: int, interpret: bool):
             return acc, m_i, l_i, row_pos, row_start
 
         kv_spec = plgpu.BlockSpec((BLOCK_KV, d), lambda s: (s, 0), transforms=transforms)
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            body, grid=(kv_steps,), memory_registers=40, in_specs=[kv_spec, kv_spec], wg_axis="wg",
-            num_compute_wgs=2, max_concurrent_steps=stages, manual_consumed_barriers=True,
-            compute_context=compute_thread)
+        pipeline = block_pipeline(body, kv_steps, [kv_spec, kv_spec], stages=stages, compute_wgs=2,
+                                  compute_thread=compute_thread)
         pipeline(k_ref.at[bi, :, kvh, :], v_ref.at[bi, :, kvh, :])
 
-    call = plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, t), F32)),
-        grid=(h, t // cta_rows, b),
-        grid_names=("heads", "q_seq", "batch"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, t), F32))
+    call = kernel_call(kernel, out_type, (h, t // cta_rows, b), ("heads", "q_seq", "batch"), 2)
     return launch(call, q, k, v, starts, interpret=interpret)

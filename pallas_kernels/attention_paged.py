@@ -17,14 +17,13 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention_common import (
-    BLOCK_KV, BLOCK_Q, F32, LOG2E, a_operand, a_staging, finish_rows, online_softmax_step, row_vector, swizzled,
-    visible_keys, wgmma_fresh)
+    BLOCK_KV, BLOCK_Q, LOG2E, a_operand, a_staging, block_pipeline, finish_rows, initial_softmax_state, kernel_call,
+    online_softmax_step, row_vector, swizzled, visible_keys, wgmma_fresh)
 from pallas_kernels.interpret import launch
 from pallas_kernels.kernel_cache import traced_once
 
@@ -62,9 +61,7 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
             row_pos = row_vector(pos_ref.at[bi, rows])
             row_start = row_vector(start_ref.at[bi, rows])
             plgpu.barrier_wait(q_bar.at[0])
-            m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, F32), plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, F32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, F32), plgpu.Layout.WGMMA)
+            acc, m_i, l_i = initial_softmax_state(BLOCK_Q, d)
             acc, m_i, l_i = pipeline((acc, m_i, l_i, row_pos, row_start))[:3]
             out, _ = finish_rows(acc, m_i, l_i)
             qo_smem[...] = out.astype(dtype)
@@ -84,14 +81,10 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
             return acc, m_i, l_i, row_pos, row_start
 
         page_spec = plgpu.BlockSpec((None, BLOCK_KV, d), lambda s: (pt_ref[bi, s], 0, 0), transforms=transforms)
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=40, in_specs=[page_spec, page_spec], wg_axis="wg",
-            num_compute_wgs=1, max_concurrent_steps=stages, manual_consumed_barriers=True,
-            compute_context=compute_thread)
+        pipeline = block_pipeline(body, steps, [page_spec, page_spec], stages=stages, compute_wgs=1,
+                                  compute_thread=compute_thread)
         pipeline(k_ref.at[:, :, kvh, :], v_ref.at[:, :, kvh, :])
 
-    call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype), grid=(hkv, r // BLOCK_Q, b),
-        grid_names=("kv_heads", "rows", "batch"), num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    call = kernel_call(kernel, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, r // BLOCK_Q, b),
+                       ("kv_heads", "rows", "batch"), 1)
     return launch(call, q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, interpret=interpret)
