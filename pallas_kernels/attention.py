@@ -77,13 +77,13 @@ def segment_starts(segment_ids: jax.Array | None, batch: int, length: int) -> ja
     return lax.cummax(jnp.where(change, idx, 0), axis=1)
 
 
-def _pad_rows(x, length, axis=1, value=0):
+def _pad_rows(x, length, axis=1):
     pad = length - x.shape[axis]
     if not pad:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
+    return jnp.pad(x, widths)
 
 
 def _padded_length(t: int) -> int:
@@ -121,7 +121,7 @@ def _flash_fwd(q, k, v, starts, scale, config, interpret):
     t = q.shape[1]
     tp = _padded_length(t)
     # padded rows start at themselves: they see only their own (zero) key and never a real row's
-    pad_starts = _pad_rows(starts, tp) if tp == t else jnp.concatenate(
+    pad_starts = jnp.concatenate(
         [starts, jnp.broadcast_to(jnp.arange(t, tp, dtype=jnp.int32), (q.shape[0], tp - t))], axis=1)
     qp, kp, vp = (_pad_rows(x, tp) for x in (q, k, v))
     out, lse2 = forward(qp, kp, vp, pad_starts, scale=scale, stages=config.fwd_stages, interpret=interpret)

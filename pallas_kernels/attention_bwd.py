@@ -12,8 +12,6 @@ delta = rowsum(do * out) is one XLA reduction. Visibility is the forward's rule 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -41,6 +39,14 @@ def _iota(shape, axis):
     return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
 
 
+def _tile_pair_scratch(d, dtype, interpret):
+    """Per compute warpgroup: two resident 64-row operand tiles (q and do, or k and v) with their load barriers,
+    and the interpret-mode staging of the register operand."""
+    tile = plgpu.SMEM((2, BWD_BLOCK, d), dtype, transforms=swizzled(dtype))
+    return [tile, tile, plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
+            a_staging((2, BWD_BLOCK, BWD_BLOCK), dtype, interpret)]
+
+
 def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
     b, t, h, d = q.shape
     hkv = k.shape[2]
@@ -50,16 +56,7 @@ def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
     transforms = swizzled(dtype)
     rows = BWD_BLOCK
 
-    def kernel(q_ref, k_ref, v_ref, start_ref, do_ref, lse_ref, delta_ref, dq_ref):
-        pl.run_scoped(
-            functools.partial(scoped, q_ref, k_ref, v_ref, start_ref, do_ref, lse_ref, delta_ref, dq_ref),
-            plgpu.SMEM((2, rows, d), dtype, transforms=transforms),
-            plgpu.SMEM((2, rows, d), dtype, transforms=transforms),
-            plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_barriers=2),
-            a_staging((2, rows, BWD_BLOCK), dtype, interpret),
-            collective_axes="wg",
-        )
+    allocations = _tile_pair_scratch(d, dtype, interpret)
 
     def scoped(q_ref, k_ref, v_ref, start_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem2, do_smem2, q_bar, do_bar,
                ds_smem2):
@@ -107,7 +104,7 @@ def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
                                   compute_thread=compute_thread)
         pipeline(k_ref.at[bi, :, kvh, :], v_ref.at[bi, :, kvh, :])
 
-    call = kernel_call(kernel, jax.ShapeDtypeStruct(q.shape, dtype), (h, t // CTA_ROWS, b), ("heads", "q_seq", "batch"), 2)
+    call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q.shape, dtype), (h, t // CTA_ROWS, b), ("heads", "q_seq", "batch"), 2)
     return launch(call, q, k, v, starts, do, lse2, delta, interpret=interpret)
 
 
@@ -121,16 +118,7 @@ def _dkv(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
     keys = BWD_BLOCK
     q_blocks = t // BWD_BLOCK
 
-    def kernel(q_ref, k_ref, v_ref, start_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
-        pl.run_scoped(
-            functools.partial(scoped, q_ref, k_ref, v_ref, start_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref),
-            plgpu.SMEM((2, keys, d), dtype, transforms=transforms),
-            plgpu.SMEM((2, keys, d), dtype, transforms=transforms),
-            plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_barriers=2),
-            a_staging((2, keys, BWD_BLOCK), dtype, interpret),
-            collective_axes="wg",
-        )
+    allocations = _tile_pair_scratch(d, dtype, interpret)
 
     def scoped(q_ref, k_ref, v_ref, start_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem2, v_smem2, k_bar,
                v_bar, a_smem2):
@@ -193,7 +181,7 @@ def _dkv(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
         pipeline(q_ref.at[bi], do_ref.at[bi], lse_ref.at[bi], delta_ref.at[bi], start_ref.at[bi])
 
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-    call = kernel_call(kernel, (kv_type, kv_type), (hkv, t // CTA_ROWS, b), ("kv_heads", "kv_seq", "batch"), 2)
+    call = kernel_call(scoped, allocations, (kv_type, kv_type), (hkv, t // CTA_ROWS, b), ("kv_heads", "kv_seq", "batch"), 2)
     return launch(call, q, k, v, starts, do, lse2, delta, interpret=interpret)
 
 

@@ -3,6 +3,7 @@ online-softmax update rule, the visibility rule, and the wgmma / operand helpers
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -104,8 +105,13 @@ def block_pipeline(body, steps, in_specs, *, stages: int, compute_wgs: int, comp
         max_concurrent_steps=stages, manual_consumed_barriers=True, compute_context=compute_thread)
 
 
-def kernel_call(kernel, out_type, grid, grid_names, compute_wgs: int):
-    """plgpu.kernel with the family's settings: warpgroup semantics, approximate exp2 / log2 (deterministic)."""
+def kernel_call(scoped, allocations, out_type, grid, grid_names, compute_wgs: int):
+    """plgpu.kernel with the family's settings (warpgroup semantics, approximate exp2 / log2: deterministic) whose
+    body is scoped(*kernel refs, *allocations), the allocations shared by all warpgroups."""
+
+    def kernel(*refs):
+        pl.run_scoped(functools.partial(scoped, *refs), *allocations, collective_axes="wg")
+
     return plgpu.kernel(
         kernel, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=compute_wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))

@@ -7,8 +7,6 @@ The causal bound is the tile's, not the row's: blocks past a row's own position 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -34,15 +32,12 @@ def forward(q, k, v, starts, *, scale: float, stages: int, interpret: bool):
     transforms = swizzled(dtype)
     cta_rows = 2 * BLOCK_Q
 
-    def kernel(q_ref, k_ref, v_ref, start_ref, o_ref, lse_ref):
-        pl.run_scoped(
-            functools.partial(scoped, q_ref, k_ref, v_ref, start_ref, o_ref, lse_ref),
-            plgpu.SMEM((2, BLOCK_Q, d), dtype, transforms=transforms),
-            plgpu.SMEM((2, BLOCK_Q), F32),
-            plgpu.Barrier(num_barriers=2),
-            a_staging((2, BLOCK_Q, BLOCK_KV), dtype, interpret),
-            collective_axes="wg",
-        )
+    allocations = [
+        plgpu.SMEM((2, BLOCK_Q, d), dtype, transforms=transforms),
+        plgpu.SMEM((2, BLOCK_Q), F32),
+        plgpu.Barrier(num_barriers=2),
+        a_staging((2, BLOCK_Q, BLOCK_KV), dtype, interpret),
+    ]
 
     def scoped(q_ref, k_ref, v_ref, start_ref, o_ref, lse_ref, qo_smem2, lse_smem2, q_barriers, p_smem2):
         bi, hi, qt = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
@@ -88,5 +83,5 @@ def forward(q, k, v, starts, *, scale: float, stages: int, interpret: bool):
         pipeline(k_ref.at[bi, :, kvh, :], v_ref.at[bi, :, kvh, :])
 
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, t), F32))
-    call = kernel_call(kernel, out_type, (h, t // cta_rows, b), ("heads", "q_seq", "batch"), 2)
+    call = kernel_call(scoped, allocations, out_type, (h, t // cta_rows, b), ("heads", "q_seq", "batch"), 2)
     return launch(call, q, k, v, starts, interpret=interpret)

@@ -14,8 +14,6 @@ pages in table order. A tile visits the blocks up to its last row's position (`n
 
 from __future__ import annotations
 
-import functools
-
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
@@ -40,14 +38,11 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
     c = float(scale * LOG2E)
     transforms = swizzled(dtype)
 
-    def kernel(q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, o_ref):
-        pl.run_scoped(
-            functools.partial(scoped, q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, o_ref),
-            plgpu.SMEM((1, BLOCK_Q, d), dtype, transforms=transforms),
-            plgpu.Barrier(num_barriers=1),
-            a_staging((1, BLOCK_Q, BLOCK_KV), dtype, interpret),
-            collective_axes="wg",
-        )
+    allocations = [
+        plgpu.SMEM((1, BLOCK_Q, d), dtype, transforms=transforms),
+        plgpu.Barrier(num_barriers=1),
+        a_staging((1, BLOCK_Q, BLOCK_KV), dtype, interpret),
+    ]
 
     def scoped(q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, o_ref, qo_smem2, q_bar, p_smem2):
         bi, kvh, rt = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("rows")
@@ -85,6 +80,6 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
                                   compute_thread=compute_thread)
         pipeline(k_ref.at[:, :, kvh, :], v_ref.at[:, :, kvh, :])
 
-    call = kernel_call(kernel, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, r // BLOCK_Q, b),
+    call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, r // BLOCK_Q, b),
                        ("kv_heads", "rows", "batch"), 1)
     return launch(call, q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, interpret=interpret)
