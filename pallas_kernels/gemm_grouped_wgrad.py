@@ -11,7 +11,7 @@ Each expert's first and last block, when shared with another expert, come from a
 (`edge_blocks`). Per block: one wgmma into a fresh accumulator, promoted as acc += p * (sa[n] * sb[k]), blocks in
 order: the block math of the XLA path. docs/decisions/0002-gemm-tiling.md has the reasoning and the arithmetic.
 
-`grouped_wgrad_fp8_gather` (session 13, kept for timing and bit comparisons): one XLA gather re-cuts M into
+`grouped_wgrad_fp8_gather` (kept as the tests' bitwise oracle and the benchmark's comparison): one XLA gather re-cuts M into
 item-major operands (other experts' rows zeroed), then each output tile runs the dense kernel's tile routine with
 a dynamic-length pipeline. Same bits as the persistent kernel.
 
@@ -405,7 +405,7 @@ def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups:
 @traced_once("num_groups", "interpret", "config")
 def grouped_wgrad_fp8_gather(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, interpret: bool = False,
                       config: GemmConfig | None = None):
-    """The first version (session 13): XLA gather into item-major operands + a dynamic-length pipeline per output
+    """The gather scheme: XLA gather into item-major operands + a dynamic-length pipeline per output
     tile. Same contract and bits as `grouped_wgrad_fp8`; kept to time and bit-compare the persistent kernel against."""
     n, m, k, _ = _check_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups,
                             "gemm_grouped_wgrad.grouped_wgrad_fp8_gather")
