@@ -17,12 +17,20 @@ Two implementations of the same math (softmax(q.k^T * scale + mask) . v, float32
       attention differed in the last bit between a 17-key and a 33-key call until the score scaling was
       rounded before the max subtraction).
   The backward pass is the standard attention gradient in XLA (gradients need no row invariance).
-- "xla": einsum + softmax; the fast path for accelerators (not row invariant).
+- "xla": einsum + softmax (not row invariant; kept as the fast non-bitwise baseline).
+- "flash": the Mosaic GPU flash kernels (pallas_kernels/attention.py): row invariant by construction (key
+  blocks aligned to absolute positions, one online-softmax rule, no split-KV), so the trainer's forward, a
+  prefill and a decode step give a token the same bits, at tensor-core speed and O(T) memory. Training uses
+  the fused kernel over segments; a KV cache is read page by page through its page table. BF16, head_dim a
+  multiple of 64. Off a GPU it runs in the Mosaic GPU interpreter (tests).
+- "auto" (ModelConfig's default): "flash" on a Hopper GPU when the model fits the kernel, else "exact" (with a
+  warning on a Hopper GPU, so a slow fallback is never silent). On CPU "auto" is "exact": bits unchanged.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +42,63 @@ from jaxrl_fp8.precision.arith import ieee_div
 F32 = jnp.float32
 KEY_BLOCK = 8  # keys per scan step of the exact path (unrolled inside a step)
 
-__all__ = ["attention", "causal_segment_mask", "cache_mask"]
+__all__ = ["attention", "cache_attention", "causal_segment_mask", "cache_mask", "resolve_impl", "sequence_attention"]
+
+
+# ------------------------------------------------------------------------------------------- choice
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    logging.warning("model.attention_impl='auto': the flash attention kernel does not take this model (%s); "
+                    "using the 'exact' scan (row invariant, but slow and O(T^2) memory in its backward)", reason)
+
+
+def resolve_impl(impl: str, head_dim: int, dtype) -> str:
+    """The attention that runs for ModelConfig.attention_impl `impl` on this process's default device."""
+    if impl not in ("auto", "flash"):
+        return impl
+    from jaxrl_fp8.ops.backends import default_device_is_hopper
+    from pallas_kernels.attention import supports
+
+    reason = supports(head_dim, dtype)
+    if impl == "flash":
+        if reason:
+            raise ValueError(f"model.attention_impl='flash': {reason}; use 'auto' or 'exact' for this model")
+        return impl
+    if not default_device_is_hopper():
+        return "exact"
+    if reason:
+        _warn_fallback(reason)
+        return "exact"
+    return "flash"
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def sequence_attention(q, k, v, segment_ids, *, scale: float, impl: str):
+    """Causal attention of whole (packed) rows: q [B, T, H, D], k/v [B, T, Hkv, D], segment_ids [B, T] or None."""
+    if impl == "flash":
+        from pallas_kernels.attention import flash_attention
+
+        return flash_attention(q, k, v, segment_ids, scale=scale, interpret=_interpret())
+    b, t = q.shape[:2]
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids
+    return attention(q, k, v, causal_segment_mask(seg), scale=scale, impl=impl)
+
+
+def cache_attention(q, cache, layer: int, slots, *, scale: float, impl: str):
+    """New tokens' attention over a KV cache (dense or paged) that already holds them: q [B, Tq, H, D] at cache
+    slots [B, Tq]; a token sees slots 0 .. its own."""
+    if impl == "flash":
+        from pallas_kernels.attention import BLOCK_KV, paged_attention
+
+        k_pages, v_pages, table = cache.pages(layer, BLOCK_KV)
+        return paged_attention(q, k_pages, v_pages, table, slots, scale=scale, interpret=_interpret())
+    k, v = cache.dense(layer)
+    return attention(q, k, v, cache_mask(slots, k.shape[1]), scale=scale, impl=impl)
 
 
 def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:

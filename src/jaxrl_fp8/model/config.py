@@ -19,7 +19,7 @@ ARCHITECTURES = {MOE_ARCH: "qwen3_moe", DENSE_ARCH: "qwen3"}
 # Rope types whose frequencies depend only on the config (not on the sequence being run), so decode and the
 # full forward see the same rotation. `dynamic` / `longrope` switch frequencies with the batch's length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
-ATTENTION_IMPLS = ("exact", "xla")
+ATTENTION_IMPLS = ("auto", "exact", "flash", "xla")
 
 
 class ConfigError(ValueError):
@@ -67,9 +67,10 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     router_aux_loss_coef: float = 0.001
     architecture: str = MOE_ARCH
-    # "exact": row-invariant attention (bitwise decode == full forward, see docs/decisions/0003-model.md);
-    # "xla": plain einsum attention (fast on GPU, not row-invariant).
-    attention_impl: str = "exact"
+    # "auto": the flash kernel on a Hopper GPU when it takes the model, else "exact"; "exact": the row-invariant
+    # scan (bitwise decode == full forward, docs/decisions/0003-model.md); "flash": the Mosaic GPU kernels (row
+    # invariant, docs/decisions/0012-flash-attention.md); "xla": plain einsum (fast, not row invariant).
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         _validate(self)
@@ -189,7 +190,7 @@ def _rope_from_hf(d: Mapping) -> tuple[float, RopeScaling]:
     return float(theta), scaling
 
 
-def from_hf_config(d: Mapping, *, attention_impl: str = "exact") -> ModelConfig:
+def from_hf_config(d: Mapping, *, attention_impl: str = "auto") -> ModelConfig:
     """Validate an HF config dict (as read from config.json) and return a ModelConfig.
 
     Raises ConfigError naming the field for unknown architectures and for any setting whose numerics this

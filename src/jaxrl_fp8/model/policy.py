@@ -155,7 +155,7 @@ class Policy:
         hf_io.save_sharded(path, tensors, config=config, max_shard_size=max_shard_size)
 
 
-def from_pretrained(path: str, *, dtype="bfloat16", recipe: Recipe | None = None, quantized: str = "dequantize", precision: PrecisionPolicy | None = None, attention_impl: str = "exact") -> Policy:
+def from_pretrained(path: str, *, dtype="bfloat16", recipe: Recipe | None = None, quantized: str = "dequantize", precision: PrecisionPolicy | None = None, attention_impl: str = "auto") -> Policy:
     """Load an HF Qwen3-MoE / Qwen3 checkpoint directory (BF16/FP16/FP32 or block FP8).
 
     quantized: "dequantize" (FP8 weights become master weights in `dtype`) or "keep" (FP8 weights stay

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_fp8.model import matmul, moe as moe_lib
-from jaxrl_fp8.model.attention import attention, cache_mask, causal_segment_mask
-from jaxrl_fp8.model.cache import KVCache
+from jaxrl_fp8.model.attention import cache_attention, resolve_impl, sequence_attention
+from jaxrl_fp8.model.cache import KVCache, PagedKVCache
 from jaxrl_fp8.model.config import ModelConfig
 from jaxrl_fp8.model.numerics import rms_norm, silu
 from jaxrl_fp8.model.rope import apply_rope, rope_cos_sin
@@ -71,6 +71,16 @@ class _Ctx:
         return None if self.policy is None else self.policy.format_for_trainer(trainer_path)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Seq:
+    """What attention needs to know about the tokens of one call: the resolved implementation, and either the
+    packed-row segment ids (no cache) or the cache slots the tokens are written to."""
+
+    impl: str
+    segment_ids: jax.Array | None = None
+    slots: jax.Array | None = None
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.cfg, self.layer = cfg, layer
@@ -86,7 +96,7 @@ class Attention(nnx.Module):
         w = getattr(self, name).weight.get_value()
         return matmul.linear(x, w, ctx.fmt(f"layers.{self.layer}.attn.{name}.weight"), ctx.backward)
 
-    def __call__(self, x, cos, sin, mask, ctx: _Ctx, cache: KVCache | None, slots):
+    def __call__(self, x, cos, sin, seq: _Seq, ctx: _Ctx, cache: KVCache | PagedKVCache | None):
         cfg = self.cfg
         b, t, _ = x.shape
         d = cfg.head_dim
@@ -96,10 +106,11 @@ class Attention(nnx.Module):
         q = rms_norm(q, self.q_norm.scale.get_value(), cfg.rms_norm_eps)
         k = rms_norm(k, self.k_norm.scale.get_value(), cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            cache = cache.write(self.layer, k, v, slots)
-            k, v = cache.k[self.layer], cache.v[self.layer]
-        out = attention(q, k, v, mask, scale=d**-0.5, impl=cfg.attention_impl)
+        if cache is None:
+            out = sequence_attention(q, k, v, seq.segment_ids, scale=d**-0.5, impl=seq.impl)
+        else:
+            cache = cache.write(self.layer, k, v, seq.slots)
+            out = cache_attention(q, cache, self.layer, seq.slots, scale=d**-0.5, impl=seq.impl)
         return self._proj("o_proj", out.reshape(b, t, -1), ctx), cache
 
 
@@ -162,9 +173,9 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg, layer, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask, ctx, cache, slots, replay):
+    def __call__(self, x, cos, sin, seq, ctx, cache, replay):
         eps = self.cfg.rms_norm_eps
-        a, cache = self.attn(rms_norm(x, self.input_norm.scale.get_value(), eps), cos, sin, mask, ctx, cache, slots)
+        a, cache = self.attn(rms_norm(x, self.input_norm.scale.get_value(), eps), cos, sin, seq, ctx, cache)
         x = x + a
         h = rms_norm(x, self.post_attn_norm.scale.get_value(), eps)
         routing = None
@@ -219,7 +230,7 @@ class Qwen3(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         routed_experts: jax.Array | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         policy=None,
         backward: str = "high_precision",
         token_mask: jax.Array | None = None,
@@ -231,8 +242,8 @@ class Qwen3(nnx.Module):
         positions: [B, T] rotary positions (default: restart per segment, or the cache slots when decoding).
         segment_ids: [B, T] packed-sequence ids; a token attends to earlier tokens of its own segment only.
         routed_experts: [B, T, num_hidden_layers, k] expert ids to replay (R3); rows with -1 use the router.
-        cache: a KVCache; the T tokens are written at slots lengths[b] + t and attend to the cache. The
-            returned cache has lengths + T.
+        cache: a KVCache or PagedKVCache; the T tokens are written at slots lengths[b] + t and attend to the
+            cache. The returned cache has lengths + T.
         policy: a precision.PrecisionPolicy (format per projection) or None (the parameters' dtype).
         backward: ops backward mode ("high_precision", "dequantized", "fp8").
         token_mask: [B, T] tokens counted by the load-balancing loss (default all).
@@ -244,26 +255,24 @@ class Qwen3(nnx.Module):
         cfg = self.cfg
         b, t = input_ids.shape
         ctx = _Ctx(policy, backward, moe_impl)
-        slots = None
+        x = self.embed.embedding.get_value()[input_ids]
+        impl = resolve_impl(cfg.attention_impl, cfg.head_dim, x.dtype)
         if cache is not None:
             if segment_ids is not None:
                 raise ValueError("segment_ids cannot be combined with a KV cache (one sequence per cache row)")
-            slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-            mask = cache_mask(slots, cache.max_len)
+            seq = _Seq(impl, slots=cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :])
             if positions is None:
-                positions = slots
+                positions = seq.slots
         else:
-            seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids
-            mask = causal_segment_mask(seg)
+            seq = _Seq(impl, segment_ids=segment_ids)
             if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if segment_ids is None else segment_positions(seg)
-        x = self.embed.embedding.get_value()[input_ids]
+                positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if segment_ids is None else segment_positions(segment_ids)
         cos, sin = rope_cos_sin(cfg, positions, x.dtype)
         k = max(cfg.num_experts_per_tok, 1)
         routed, stats = [], []
         for i, layer in enumerate(self.layers):
             replay = None if routed_experts is None or not cfg.is_moe_layer(i) else routed_experts[:, :, i, :]
-            x, cache, routing = layer(x, cos, sin, mask, ctx, cache, slots, replay)
+            x, cache, routing = layer(x, cos, sin, seq, ctx, cache, replay)
             if routing is None:
                 routed.append(jnp.full((b, t, k), -1, jnp.int32))
             else:
@@ -275,5 +284,5 @@ class Qwen3(nnx.Module):
         head = self.embed.embedding.get_value() if cfg.tie_word_embeddings else self.lm_head.weight.get_value()
         logits = matmul.high_precision_linear(x, head.astype(x.dtype), F32)
         if cache is not None:
-            cache = dataclasses.replace(cache, lengths=cache.lengths + t)
+            cache = cache.with_lengths(cache.lengths + t)
         return ModelOutput(logits, jnp.stack(routed, axis=2), moe_lib.load_balancing_loss(stats, cfg.num_experts), cache)

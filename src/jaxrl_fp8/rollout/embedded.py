@@ -9,14 +9,18 @@ gets there by construction, not by tolerance:
   build on the fly (`ops.operands.fp8_weight` for fp8-block, `quantize_weight` for MXFP8/NVFP4, a BF16
   cast for bf16), or are the `QuantizedWeight`s of an FP8 checkpoint;
 - prompts are RIGHT-padded, so a token's rotary position is its cache slot; the model's reductions and
-  attention are row invariant (`model.numerics`, `model.attention` "exact"), so decoding token t gives the
-  bits the trainer's full forward gives at t, whatever the batch, its padding or the cache length;
+  attention are row invariant (`model.numerics`; `model.attention` "exact" or the "flash" kernels, whose key
+  blocks are the cache's pages), so decoding token t gives the bits the trainer's full forward gives at t,
+  whatever the batch, its padding or the cache length;
 - log-probs and sampling follow `rollout.sampling` (full tempered distribution, IEEE temperature division,
   per-row seeds folded with the response step).
 
 Generation: samples are sorted by length and cut into chunks of at most `max_batch` rows; each chunk is
 padded to bucketed shapes (rows, prompt length, cache length: powers of two) so few programs compile,
-prefilled in one call and decoded with a fixed-shape step until every row stopped. The decode loop is a
+prefilled in one call and decoded with a fixed-shape step until every row stopped. The KV cache is paged
+(`model.cache.PagedKVCache`): each row owns the pages its prompt + max_new_tokens need, so a chunk holds
+`EngineConfig.kv_pages` pages at most and long rows do not cost short ones their length; rows whose pages do
+not fit wait for the next chunk. The decode loop is a
 `lax.while_loop` inside the same jit ("while", default) or a jitted step driven from Python ("python").
 Weight versions are swapped atomically between `generate` calls (a lock), never inside one.
 
@@ -44,7 +48,8 @@ from flax import nnx
 from jax import lax
 
 from jaxrl_fp8.model import loader
-from jaxrl_fp8.model.cache import KVCache, init_cache
+from jaxrl_fp8.model.attention import resolve_impl
+from jaxrl_fp8.model.cache import PAGE_SIZE, KVCache, PagedKVCache, PagePool, init_cache, init_paged_cache, pages_for
 from jaxrl_fp8.model.config import ModelConfig
 from jaxrl_fp8.model.policy import Policy, from_pretrained
 from jaxrl_fp8.model.qwen3 import Qwen3
@@ -78,6 +83,11 @@ class EngineConfig:
     static_shapes: bool = False
     seed: int = 0  # draws the base seed of requests that bring none
     model_path: str = ""
+    # KV page budget of one chunk (0: max_batch rows of max_seq_len); rows whose pages do not fit wait
+    kv_pages: int = 0
+    # slots per KV page (0: the flash kernel's key block, 128, when it runs, else 16); a row's pages hold its
+    # prompt + max_new_tokens rounded up to a page
+    page_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -85,6 +95,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
+        for name in ("kv_pages", "page_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 0 (0: the default), got {v!r}")
         if self.max_seq_len < 2:
             raise ValueError(f"EngineConfig.max_seq_len must be >= 2 (a prompt token and a response token), got {self.max_seq_len}")
         if self.decode_loop not in DECODE_LOOPS:
@@ -170,7 +184,7 @@ class _Rows:
 @dataclasses.dataclass(frozen=True)
 class _Carry:
     t: jax.Array  # the response index drawn next
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     tokens: jax.Array  # int32 [B, N]
     logprobs: jax.Array  # f32 [B, N]
     routed: jax.Array  # int32 [B, N, layers, k]: routing of response token t (fed at step t + 1)
@@ -203,21 +217,34 @@ def _moe_impl(placement):
     return None if placement is None else placement.moe_impl
 
 
-def _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows: _Rows, cache_len, max_new, dtype, placement=None):
+@dataclasses.dataclass(frozen=True)
+class _Pages:
+    """Static shape of a chunk's paged cache: pool pages and slots per page (the page table is an argument)."""
+
+    num_pages: int
+    page_size: int
+
+
+def _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows: _Rows, cache_len, max_new, dtype, placement=None,
+             pages: _Pages | None = None, page_table=None):
     """Right-padded prompts [B, P] into a fresh cache, then draw response token 0.
 
     Returns (carry for the decode loop, routed experts of the prompt positions [B, P, layers, k]).
-    placement: None (the arrays' own devices) or a `sharding.CollocatedPlacement` (the training mesh).
+    placement: None (the arrays' own devices) or a `sharding.CollocatedPlacement` (the training mesh; a dense
+    cache of `cache_len` slots, split over the rows' devices). pages / page_table: a paged cache instead.
     """
     state, (prompt_ids, prompt_lens, rows) = _on_mesh(placement, state, prompt_ids, prompt_lens, rows)
     model = nnx.merge(graphdef, state)
     b = prompt_ids.shape[0]
     cfg = model.cfg
-    cache = init_cache(cfg, b, cache_len, dtype)
-    if placement is not None:
-        cache = placement.constrain_cache(cache)
+    if pages is not None:
+        cache = init_paged_cache(cfg, page_table, pages.num_pages, pages.page_size, dtype)
+    else:
+        cache = init_cache(cfg, b, cache_len, dtype)
+        if placement is not None:
+            cache = placement.constrain_cache(cache)
     out = model(prompt_ids, cache=cache, policy=precision, moe_impl=_moe_impl(placement), logits_at=prompt_lens - 1)
-    cache = KVCache(out.cache.k, out.cache.v, prompt_lens)
+    cache = out.cache.with_lengths(prompt_lens)
     last = out.logits[:, 0]
     k = out.routed_experts.shape[-1]
     tokens = jnp.zeros((b, max_new), jnp.int32)
@@ -243,17 +270,18 @@ def _running(c: _Carry) -> jax.Array:
     return (c.t < c.tokens.shape[1]) & ~jnp.all(c.done)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "cache_len", "max_new", "dtype", "placement"))
-def _generate_while(graphdef, state, prompt_ids, prompt_lens, rows, *, precision, cache_len, max_new, dtype, placement=None):
+@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "cache_len", "max_new", "dtype", "placement", "pages"))
+def _generate_while(graphdef, state, prompt_ids, prompt_lens, rows, page_table=None, *, precision, cache_len, max_new, dtype,
+                    placement=None, pages=None):
     state, (rows,) = _on_mesh(placement, state, rows)  # gathered once per call, used by prefill and every step
     carry, prompt_routed = _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows, cache_len, max_new, dtype,
-                                    placement)
+                                    placement, pages, page_table)
     model = nnx.merge(graphdef, state)
     carry = lax.while_loop(_running, lambda c: _decode_step(model, precision, rows, c, placement), carry)
     return carry, prompt_routed
 
 
-_prefill_jit = jax.jit(_prefill, static_argnums=(0, 2, 6, 7, 8, 9))
+_prefill_jit = jax.jit(_prefill, static_argnums=(0, 2, 6, 7, 8, 9, 10))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "precision", "placement"), donate_argnames=("carry",))
@@ -352,6 +380,29 @@ class EmbeddedEngine:
         self._weights = self._prepare(model, str(weight_version))
         self.model_path = self.config.model_path
         self.last_stats: dict[str, float] = {}
+        self._attention = resolve_impl(cfg.attention_impl, cfg.head_dim, self._weights.dtype)
+        self._page_size, self._kv_pages = self._page_layout()
+
+    def _page_layout(self) -> tuple[int, int]:
+        """(slots per page, pages per chunk) of the paged cache (the separate placement; collocated rows are split
+        over devices and keep a dense cache)."""
+        ec = self.config
+        ps = ec.page_size or (PAGE_SIZE if self._attention == "flash" else 16)
+        if self._attention == "flash" and ps != PAGE_SIZE:
+            raise ValueError(f"EngineConfig.page_size={ps}: the flash attention kernel reads pages of {PAGE_SIZE} slots "
+                             "(its key block); use 0 or 128")
+        budget = ec.kv_pages or ec.max_batch * pages_for(ec.max_seq_len, ps)
+        if budget < pages_for(ec.max_seq_len, ps):
+            raise ValueError(f"EngineConfig.kv_pages={budget} cannot hold one row of max_seq_len={ec.max_seq_len} "
+                             f"({pages_for(ec.max_seq_len, ps)} pages of {ps})")
+        return ps, budget
+
+    @property
+    def paged(self) -> bool:
+        return self.placement is None
+
+    def _row_pages(self, row: "_Row") -> int:
+        return pages_for(len(row.prompt) + row.params.max_new_tokens, self._page_size)
 
     # -------------------------------------------------------------------------------------- weights
     @staticmethod
@@ -577,7 +628,7 @@ class EmbeddedEngine:
             bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
             if bad:
                 raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
-            if len(prompt) + sp.max_new_tokens > self.config.max_seq_len:
+            if len(prompt) + sp.max_new_tokens > self.config.max_seq_len:  # (kv_pages holds such a row: _page_layout)
                 raise ValueError(
                     f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens {sp.max_new_tokens} exceeds max_seq_len "
                     f"{self.config.max_seq_len}"
@@ -606,10 +657,9 @@ class EmbeddedEngine:
             weights = self._weights
             order = sorted(range(len(rows)), key=lambda r: (len(rows[r].prompt) + rows[r].params.max_new_tokens, r))
             results: list[Sample | None] = [None] * len(rows)
-            for start in range(0, len(order), self.config.max_batch):
-                chunk = [rows[r] for r in order[start : start + self.config.max_batch]]
-                samples = self._run_chunk(weights, chunk, want_routed)
-                for r, s in zip(order[start : start + self.config.max_batch], samples):
+            for chunk_rows in self._chunks(rows, order):
+                samples = self._run_chunk(weights, [rows[r] for r in chunk_rows], want_routed)
+                for r, s in zip(chunk_rows, samples):
                     results[r] = s
         out = [results[r] for r in own]
         if want_routed and not return_routed_experts:  # another process asked for them
@@ -621,6 +671,22 @@ class EmbeddedEngine:
         if len(rows) != len(out):
             self.last_stats["union_rows"] = float(len(rows))
         return out
+
+    def _chunks(self, rows: list[_Row], order: list[int]) -> list[list[int]]:
+        """Consecutive rows of `order`, at most max_batch per chunk and (paged) at most kv_pages pages."""
+        chunks: list[list[int]] = []
+        current: list[int] = []
+        used = 0
+        for r in order:
+            need = self._row_pages(rows[r]) if self.paged else 0
+            if current and (len(current) == self.config.max_batch or used + need > self._kv_pages):
+                chunks.append(current)
+                current, used = [], 0
+            current.append(r)
+            used += need
+        if current:
+            chunks.append(current)
+        return chunks
 
     def _union_rows(self, prompts, params, want_routed: bool) -> tuple[list[_Row], range, bool]:
         """Multi-process collocated: (rows of every process's requests in process order, the indices of this
@@ -675,6 +741,17 @@ class EmbeddedEngine:
             n_b = _bucket(max(max_new, 1), cfg.min_new_bucket)
         if self.placement is not None:  # >= 2 rows on every device of the batch axes (padding rows are done)
             b = self.placement.rows_for(b)
+        pages = page_table = None
+        if self.paged:
+            ps = self._page_size
+            s_b = pages_for(s_b, ps) * ps
+            need = [self._row_pages(r) for r in chunk]
+            num_pages = self._kv_pages if cfg.static_shapes else min(_bucket(sum(need), 1), self._kv_pages)
+            pool = PagePool(num_pages)
+            table = pool.table([pool.allocate(n) for n in need] + [[]] * (b - n), s_b // ps)
+            pages, page_table = _Pages(num_pages, ps), jnp.asarray(table)
+        elif self._attention == "flash":  # the dense cache is read as pages of the kernel's key block
+            s_b = pages_for(s_b, PAGE_SIZE) * PAGE_SIZE
         stops = [self._stop_ids(r.params) for r in chunk]
         m = max(1, max(len(s) for s in stops))
 
@@ -701,12 +778,13 @@ class EmbeddedEngine:
         place = self.placement
         if cfg.decode_loop == "while":
             carry, prompt_routed = _generate_while(
-                weights.graphdef, weights.state, put(ids), put(lens), rows,
-                precision=self.precision, cache_len=s_b, max_new=n_b, dtype=weights.dtype, placement=place,
+                weights.graphdef, weights.state, put(ids), put(lens), rows, page_table,
+                precision=self.precision, cache_len=s_b, max_new=n_b, dtype=weights.dtype, placement=place, pages=pages,
             )
         else:
             carry, prompt_routed = _prefill_jit(
-                weights.graphdef, weights.state, self.precision, put(ids), put(lens), rows, s_b, n_b, weights.dtype, place
+                weights.graphdef, weights.state, self.precision, put(ids), put(lens), rows, s_b, n_b, weights.dtype, place,
+                pages, page_table,
             )
             for _ in range(1, max_new):
                 if bool(fetch(jnp.all(carry.done))):
