@@ -45,13 +45,15 @@ def test_tiny_two_steps_of_fp8_block(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
     assert res["benchmark"] == "rl_step" and res["tiny"] is True
     assert res["device"]["platform"] == "cpu" and set(res["versions"]) >= {"python", "jax", "jaxlib"}
-    assert res["shapes"]["model"]["num_hidden_layers"] == 2 and res["shapes"]["params"]["total"] > 0
+    assert res["shapes"]["layers"] == {"16": 2} and res["shapes"]["params"]["16"]["total"] > 0
+    assert res["shapes"]["model"]["num_experts"] == 16 and res["shapes"]["memory_estimate"]["16"]["update_peak_bytes"] > 0
     assert res["memory_note"]  # XLA:CPU: no allocator statistics
     (point,) = res["points"]
     assert point["recipe"] == "fp8_block" and point["response_tokens"] == 16 and point["status"] == "ok", point.get("error")
     cfg = point["config"]
     assert cfg["rollout"]["ignore_eos"] and cfg["rollout"]["routing_replay"] and cfg["rl"]["use_tis"]
-    assert cfg["rollout"]["engine"] == "embedded" and cfg["model"]["num_experts"] == 16
+    assert cfg["rollout"]["engine"] == "embedded" and cfg["model"]["num_experts"] == 16 and cfg["model"]["num_hidden_layers"] == 2
+    assert point["sizes"] == {"layers": 2, "prompts": 2, "samples": 2, "batch": 2, "steps": 2, "rows": 4, "logprob_chunk": 2}
     assert [r["step"] for r in point["rows"]] == [1, 2]
     for row in point["rows"]:
         assert row["response_length"] == 16.0 and row["truncated_frac"] == 1.0  # EOS suppressed: lengths as asked
@@ -134,3 +136,19 @@ def test_merge_keeps_the_later_point(bench, tmp_path):
     assert [(p["recipe"], p["summary"]["median"]["rollout_seconds"]) for p in m["points"]] == [("bf16", 2.0), ("fp8_block", 1.0)]
     assert m["comparison"]["100"]["fp8_block_vs_bf16"]["tokens_per_second_end_to_end"] == pytest.approx(6.5 / 3.5)
     assert (tmp_path / "m.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_programs_lower_for_the_gpu_on_cpu(tmp_path):
+    """`--memory-analysis --lower-platform cuda`: the step's programs (rollout, old log-probs, update, weight push)
+    lower for CUDA on this CPU machine with the ops choosing their Hopper kernels (how the full-size shapes were
+    checked without a GPU: results/rl_step_lower_cuda_on_cpu.json)."""
+    out = tmp_path / "lower.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--recipes", "fp8_block", "--memory-analysis",
+                        "--lower-platform", "cuda", "--out", str(out), "--runs-dir", str(tmp_path / "runs")],
+                       env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    (entry,) = json.loads(out.read_text())["results"]
+    for name in ("rollout", "logprob", "update", "sync"):
+        assert entry[name].get("lowered_for") == "cuda", (name, entry[name])
+    assert entry["update"]["mosaic_gpu_mentions"] > 0  # the FP8 GEMM kernels, not the XLA fallback

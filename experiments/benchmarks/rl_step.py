@@ -34,22 +34,29 @@ small speed-up weighted by the phase's share of step time). Each point goes into
 renamed), a failing point (e.g. out of memory, a time-out) is recorded with its error, and `--time-budget` skips points
 that cannot finish in the time left (recorded as skipped).
 
-Memory (H200, 141 GB; params P = 2 x 151936 x 2048 (embedding, lm_head) + L x 623.2M (experts 3 x 128 x 2048 x 768 =
-604M, attention 18.9M, router 0.26M) = 0.62B + 0.62B per layer: 2.49B at 3 layers, 3.12B at 4):
-- bytes per parameter at the update's peak: FP32 masters 4 + Adam moments 8 (persistent), the engine's rollout weights
-  ~2 (BF16; ~1.2 with FP8 projections), and inside the update program (no buffer donation) gradients 4 + new masters 4
-  + new moments 8 + the BF16 compute cast 2 = ~32 B: 80 GB at 3 layers, 100 GB at 4, 120 GB at 5.
-- activations of one training row of T = prompt + response tokens (no rematerialisation): the float32 logits and what
-  the loss and its gradient make of them (log-softmax, the entropy's softmax, d logits: ~6 copies of T x 151936 x 4 B
-  = 3.6 MB a token), per layer ~0.4 MB a token (MoE rows: 8 x (2 x 2048 + 4 x 768) floats, attention and norms) plus
-  the saved attention probabilities 32 x T x 8 B a token (XLA attention), and one layer's attention backward at a
-  time (~16 x 32 x T^2 B). 1k (T = 1280), 3 layers: ~8.0 GB a row; 4k (T = 4352), 3 layers: ~45 GB a row.
-- old log-prob pass: forward only, in chunks of `--logprob-chunk` rows (default: the minibatch size).
-So the defaults are 3 layers, and minibatches of 2 rows at 1k (80 + 16 = 96 GB) and of 1 row at 4k (80 + 45 = 125 GB:
-close; `--layers 2` gives 60 + 34 = 94 GB). CPU check: `--memory-analysis` compiles the logprob and update programs
-for XLA:CPU at these shapes and reports XLA's buffer sizes without running anything (`results/rl_step_memory_cpu.json`).
-Time (estimates; the stages' --time-budget skips what does not fit): 1k, 64 rows: ~1024 decode steps of ~5-10 ms
-(rollout 5-10 s), ~2-6 s train, < 1 s sync, 1-3 min of compilation: 2-4 min a point; 4k, 16 rows: ~4096 decode steps
+Memory (H200, 141 GB, ~132 GB usable at XLA_PYTHON_CLIENT_MEM_FRACTION=0.94, which the script sets for its points
+unless preallocation is off). Parameters P = 2 x 151936 x 2048 (embedding, lm_head: 0.62B) + 0.623B a layer (experts
+3 x 128 x 2048 x 768 = 604M, attention 18.9M, router 0.26M): 2.49B at 3 layers, 3.12B at 4, 3.74B at 5.
+- weights: the update program takes FP32 masters + Adam moments (12 B/param) and, without buffer donation, returns new
+  ones (12 B/param; XLA writes the gradients into those buffers), plus the engine's BF16 rollout weights (2 B/param;
+  ~1.2 with FP8 projections): ~26 B/param = 65 GB at 3 layers, 81 GB at 4, 97 GB at 5.
+- activations of one training row of T = prompt + response tokens (no rematerialisation): ~24 x 151936 B a token for
+  the float32 logits and what the loss, the entropy and their gradient make of them, plus per layer ~0.39 MB a token
+  (MoE rows, attention, norms) and 12 x 32 x T B a token (XLA attention's probabilities). XLA:CPU's memory analysis
+  of the real update program at these shapes (`--memory-analysis`, results/rl_step_memory_cpu.json; bf16, XLA
+  attention) gives ~5 GB + 0.6 GB a layer per row at 1k (T = 1280) and ~16 GB + 9 GB a layer per row at 4k (T = 4352).
+- the old-log-prob pass (forward only, `--logprob-chunk` rows a call, default the minibatch) and the rollout (KV cache
+  ~1 GB, prefill of 64 x 256 tokens) peak lower than the update.
+Defaults: 1k: 4 layers, 64 rows a step (16 prompts x 4), minibatches of 2 rows: ~81 + 2 x 7.5 = ~96-100 GB;
+4k: 3 layers, 16 rows (4 x 4), minibatches of 1 row: ~65 + 43 = ~108 GB (4 layers would need ~133 GB). 5 layers at 1k
+(~118 GB) is the deepest that should fit; `--layers` sets it for every length. XLA:CPU's memory analysis of the default
+programs (results/rl_step_memory_cpu.json; arguments + outputs + temporaries, bf16 / fp8_block): update 1k 90.3 / 91.4 GB
+and 4k 103.5 / 104.0 GB, plus the engine's weights (6.2 / 3.7 GB at 1k, 5.0 / 3.1 GB at 4k); rollout 1k 30 / 35 GB,
+logprob 22 / 37 GB (on CPU the FP8 path's XLA quantizers keep float32 temporaries the GPU's Pallas kernels do not).
+All four programs of a step (rollout, logprob, update, weight push) also lower for CUDA with the Hopper kernels at
+these shapes on a CPU machine (`--memory-analysis --lower-platform cuda`: results/rl_step_lower_cuda_on_cpu.json).
+Time (estimates; the stages' --time-budget skips what does not fit): 1k: ~1024 decode steps of ~5-10 ms (rollout
+5-10 s), ~2-6 s train, < 1 s sync, 1-3 min of compilation and init: 2-4 min a point (4 steps); 4k: ~4096 decode steps
 (rollout 20-40 s), 2 steps: 3-4 min a point.
 """
 
@@ -86,18 +93,18 @@ FULL = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_interm
 TINY = dict(hidden_size=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, intermediate_size=256,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=2048, rope_theta=1_000_000.0)
 # per response length: prompts, samples per prompt, minibatch rows, steps (defaults; flags override every length)
-FULL_DEFAULTS = {"layers": 3, "prompt_tokens": 256, "response_lengths": (1024, 4096)}
-TINY_DEFAULTS = {"layers": 2, "prompt_tokens": 32, "response_lengths": (16,)}
+FULL_DEFAULTS = {"prompt_tokens": 256, "response_lengths": (1024, 4096)}
+TINY_DEFAULTS = {"prompt_tokens": 32, "response_lengths": (16,)}
 
 
 def length_defaults(tiny: bool, length: int) -> dict:
     if tiny:
-        return dict(prompts=2, samples=2, batch=2, steps=2)
+        return dict(layers=2, prompts=2, samples=2, batch=2, steps=2)
     if length <= 1024:
-        return dict(prompts=16, samples=4, batch=2, steps=4)
+        return dict(layers=4, prompts=16, samples=4, batch=2, steps=4)
     if length <= 2048:
-        return dict(prompts=8, samples=4, batch=1, steps=3)
-    return dict(prompts=4, samples=4, batch=1, steps=2)
+        return dict(layers=3, prompts=8, samples=4, batch=1, steps=3)
+    return dict(layers=3, prompts=4, samples=4, batch=1, steps=2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma list, a subset of %(default)s (run in this order)")
     p.add_argument("--response-lengths", default=None,
                    help="comma list of response tokens (default: 1024,4096; --tiny: 16)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers, all MoE (default: 3; --tiny: 2)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers, all MoE, for every length (default: 4 at <= 1k responses, 3 above; --tiny: 2)")
     p.add_argument("--prompt-tokens", type=int, default=None, help="prompt tokens (default 256; --tiny 32)")
     p.add_argument("--steps", type=int, default=None,
                    help="RL steps per point, warm-up included (default: 4 at <= 1k, 3 at 2k, 2 at 4k; --tiny 2)")
@@ -141,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-analysis", action="store_true",
                    help="compile the logprob and update programs for this host's backend at the points' shapes "
                         "(abstract arrays, nothing runs) and report XLA's memory analysis, then exit")
+    p.add_argument("--lower-platform", default="",
+                   help="with --memory-analysis: instead of compiling for this host, lower the programs for this platform "
+                        "(e.g. cuda on a CPU machine, ops choosing their Hopper kernels) and report whether they lower")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)  # internal: "recipe:length", writes --child-out
     p.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     return p
@@ -156,7 +167,6 @@ def _shape_module():
 def resolve_args(args) -> None:
     """Fill the size-dependent defaults in place; raises ValueError on a bad value (before any compute)."""
     d = TINY_DEFAULTS if args.tiny else FULL_DEFAULTS
-    args.layers = d["layers"] if args.layers is None else args.layers
     args.prompt_tokens = d["prompt_tokens"] if args.prompt_tokens is None else args.prompt_tokens
     if args.response_lengths is None:
         args.lengths = list(d["response_lengths"])
@@ -171,9 +181,8 @@ def resolve_args(args) -> None:
         raise ValueError(f"--recipes: unknown {bad or 'empty list'}; choose from {', '.join(RECIPES)}")
     if not args.lengths or any(n < 1 for n in args.lengths):
         raise ValueError(f"--response-lengths: need positive ints, got {args.response_lengths!r}")
-    for name in ("layers", "prompt_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.layers is not None and args.layers < 1:
+        raise ValueError("--layers must be >= 1")
     if args.prompt_tokens < 3:
         raise ValueError("--prompt-tokens must be >= 3 (BOS, a digit, '=')")
     if args.warmup_steps < 0:
@@ -187,11 +196,11 @@ def resolve_args(args) -> None:
 
 def point_sizes(args, length: int) -> dict:
     d = length_defaults(args.tiny, length)
-    s = dict(prompts=args.prompts or d["prompts"], samples=args.samples_per_prompt or d["samples"],
+    s = dict(layers=args.layers or d["layers"], prompts=args.prompts or d["prompts"], samples=args.samples_per_prompt or d["samples"],
              batch=args.batch or d["batch"], steps=args.steps or d["steps"])
     s["rows"] = s["prompts"] * s["samples"]
     s["logprob_chunk"] = args.logprob_chunk or s["batch"]
-    for k in ("prompts", "samples", "batch", "steps", "logprob_chunk"):
+    for k in ("layers", "prompts", "samples", "batch", "steps", "logprob_chunk"):
         if s[k] < 1:
             raise ValueError(f"{k} must be >= 1, got {s[k]}")
     if s["samples"] < 2:
@@ -221,7 +230,7 @@ def point_config(args, recipe: str, length: int, workdir: str):
     m.dtype = "bfloat16"  # activations; masters stay FP32
     for key, value in (TINY if args.tiny else FULL).items():
         m[key] = value
-    m.num_hidden_layers = args.layers
+    m.num_hidden_layers = s["layers"]
     m.decoder_sparse_step = 1
     m.mlp_only_layers = ()
     m.norm_topk_prob = True
@@ -282,17 +291,17 @@ def param_counts(model: dict, layers: int) -> dict:
 
 
 def memory_estimate(model: dict, layers: int, batch: int, seq: int) -> dict:
-    """The docstring's estimate of the update's peak (bytes): weights-related + one minibatch's activations."""
+    """The docstring's estimate of the update's peak (bytes): weights-related + one minibatch's activations. Fitted to
+    XLA:CPU's memory analysis of the real update program (bf16 recipe, XLA attention; results/rl_step_memory_cpu.json)."""
     p = param_counts(model, layers)["total"]
-    weights = 32 * p
+    weights = 26 * p
     v, nh = model["vocab_size"], model["num_attention_heads"]
     per_token_layer = 8 * (2 * model["hidden_size"] + 4 * model["moe_intermediate_size"]) * 4 + 20 * model["hidden_size"] * 4
-    row = seq * (6 * 4 * v + layers * (per_token_layer + 8 * nh * seq)) + 16 * nh * seq * seq
+    row = seq * (24 * v + layers * (per_token_layer + 12 * nh * seq))
     return dict(weights_bytes=weights, activations_per_row_bytes=row, minibatch_rows=batch,
                 update_peak_bytes=weights + batch * row,
-                rule="32 B/param (FP32 masters 4 + Adam 8 + engine ~2 + in the update: grads 4 + new masters 4 + new "
-                     "moments 8 + BF16 cast 2) + rows x T x (24 x vocab + layers x (per-token MoE/attention + 8 x heads "
-                     "x T)) + 16 x heads x T^2 (one layer's attention backward)")
+                rule="26 B/param (update arguments: FP32 masters 4 + Adam 8; its outputs, no donation: 12; the engine's "
+                     "BF16 rollout weights 2) + rows x T x (24 x vocab + layers x (MoE/attention ~0.39 MB + 12 x heads x T))")
 
 
 # --------------------------------------------------------------------------------------------------- child
@@ -551,11 +560,11 @@ def plot(result: dict, path: str) -> None:
         c = (result["comparison"].get(str(length)) or {}).get("fp8_block_vs_bf16")
         sub = (f"fp8/bf16: {c['tokens_per_second_end_to_end']:.3g}x e2e, train {c['train_phase_tokens_per_second']:.3g}x"
                if c and c.get("tokens_per_second_end_to_end") and c.get("train_phase_tokens_per_second") else "")
-        ax.set_title(f"{length}-token responses\n{sub}", fontsize=9)
+        layers = {(p.get("sizes") or {}).get("layers") for p in pts} - {None}
+        ax.set_title(f"{length}-token responses, {'/'.join(map(str, sorted(layers))) or '?'} layers\n{sub}", fontsize=9)
         ax.legend(fontsize=7)
     d = result.get("device") or {}
-    sh = result.get("shapes") or {}
-    fig.suptitle(f"RL step phases, {sh.get('layers')}-layer Qwen3-30B-A3B-shaped slice"
+    fig.suptitle(f"RL step phases, Qwen3-30B-A3B-shaped slice"
                  f"{' (tiny)' if result.get('tiny') else ''}, {d.get('kind', '?')}", fontsize=10)
     fig.tight_layout()
     tmp = path[: -len(".png")] + f".tmp-{os.getpid()}.png"
@@ -625,6 +634,14 @@ def memory_analysis(args) -> int:
     from jaxrl_fp8.rl.trainer import Trainer, TrainerSettings, make_optimizer
 
     results = []
+    if args.lower_platform == "cuda":  # the ops choose their Mosaic GPU kernels as on an H200
+        from jaxrl_fp8.ops import backends
+
+        backends.default_device_is_hopper = lambda: True
+        from pallas_kernels import gemm_dense
+
+        real_num_sms = gemm_dense._num_sms  # the kernels size their persistent grid from the device: an H200's 132 SMs
+        gemm_dense._num_sms = lambda interpret: real_num_sms(interpret) if interpret else 132
     for length in args.lengths:
         s = point_sizes(args, length)
         for recipe_name in args.recipe_list:
@@ -661,15 +678,26 @@ def memory_analysis(args) -> int:
                         jax.ShapeDtypeStruct((n, seq, cfg.num_hidden_layers, k), jnp.int32))
 
             entry = dict(recipe=recipe_name, response_tokens=length, layers=cfg.num_hidden_layers, sizes=s,
-                         backend=jax.default_backend(), estimate=memory_estimate(FULL if not args.tiny else TINY,
+                         backend=jax.default_backend(), params=param_counts(FULL if not args.tiny else TINY, cfg.num_hidden_layers),
+                         estimate=memory_estimate(FULL if not args.tiny else TINY,
                                                                                  cfg.num_hidden_layers, s["batch"], seq))
+            push, rollout, rollout_args = _engine_programs(graphdef, params, train_policy.with_format(recipe.rollout_format),
+                                                           s["rows"], args.prompt_tokens, length)
             for name, fn, call in (
+                ("rollout", rollout, lambda: rollout_args),
                 ("logprob", t._logprobs, lambda: (params, *abs_rows(s["logprob_chunk"]))),
                 ("update", t._update, lambda: (params, opt_state, _abstract_mb(*abs_rows(s["batch"]), seq),
                                                jax.ShapeDtypeStruct((), jnp.float32))),
+                ("sync", push, lambda: (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params),)),
             ):
                 t0 = time.time()
                 try:
+                    if args.lower_platform:
+                        txt = jax.jit(fn).trace(*call()).lower(lowering_platforms=(args.lower_platform,)).as_text()
+                        entry[name] = dict(lowered_for=args.lower_platform, lower_seconds=time.time() - t0,
+                                           mosaic_gpu_mentions=txt.count("mosaic_gpu"), hlo_text_chars=len(txt))
+                        print(f"[rl_step] lowered {recipe_name} {length} {name} for {args.lower_platform}: {entry[name]}", flush=True)
+                        continue
                     compiled = jax.jit(fn).lower(*call()).compile()
                     ma = compiled.memory_analysis()
                     entry[name] = dict(compile_seconds=time.time() - t0, **{
@@ -682,12 +710,42 @@ def memory_analysis(args) -> int:
                       + json.dumps({kk: (round(v / 1e9, 3) if kk.endswith("bytes") else v) for kk, v in entry[name].items()}),
                       flush=True)
             results.append(entry)
-            _write_json(args.out, dict(what="XLA memory analysis of the trainer's logprob / update programs (compiled, not run)",
+            _write_json(args.out, dict(what="XLA memory analysis of one RL step's programs (rollout generate, old log-probs, update, weight push), compiled "
+                                       "for this host at the benchmark's shapes, not run",
                                        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), jax=jax.__version__,
                                        command="python experiments/benchmarks/rl_step.py " + " ".join(sys.argv[1:]),
-                                       params=param_counts(FULL if not args.tiny else TINY, args.layers), results=results))
+                                       results=results))
     print(args.out)
     return 0
+
+
+def _engine_programs(graphdef, params, rollout_precision, rows: int, prompt_tokens: int, length: int):
+    """The embedded engine's programs at one step's shapes, for abstract arrays: the weight push (the compute-dtype
+    model -> rollout operands through the contract; eager per tensor in the engine, one program here) and
+    generate (prefill + the decode while-loop), bucketed as `EmbeddedEngine._run_chunk` buckets a chunk of
+    `rows` rows (every row of a step in one chunk: rollout.max_batch = rows)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrl_fp8.rollout import embedded as E
+
+    def push(state):
+        return E.prepare_rollout_params(nnx.merge(graphdef, state), rollout_precision)[1]
+
+    state_r = jax.eval_shape(push, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params))
+    cfg = E.EngineConfig(max_batch=rows, max_seq_len=prompt_tokens + length)
+    b = E._bucket(rows, 1, cfg.max_batch)
+    p_b, s_b = E._bucket(prompt_tokens, cfg.min_prompt_bucket), E._bucket(prompt_tokens + length, cfg.min_cache_bucket)
+    n_b = E._bucket(length, cfg.min_new_bucket)
+    i32, f32 = jnp.int32, jnp.float32
+    sd = jax.ShapeDtypeStruct
+    row_args = E._Rows(sd((b,), f32), sd((b,), i32), sd((b,), f32), sd((b,), jnp.uint32), sd((b,), i32), sd((b, 1), i32))
+    generate = functools.partial(E._generate_while.__wrapped__ if hasattr(E._generate_while, "__wrapped__") else E._generate_while,
+                                 graphdef, precision=rollout_precision, cache_len=s_b, max_new=n_b, dtype=jnp.bfloat16)
+    return push, generate, (state_r, sd((b, p_b), i32), sd((b,), i32), row_args)
 
 
 def _abstract_mb(tokens, routed, seq):
@@ -711,6 +769,12 @@ def main(argv=None) -> int:
             with open(path) as f:
                 r = json.load(f)
             meta = meta or {k: r.get(k) for k in ("benchmark", "what", "tiny", "shapes", "env")}
+            sh, new = meta.get("shapes") or {}, r.get("shapes") or {}
+            if sh is not new:  # per-length entries of every file (a 1k file and a 4k file)
+                for key in ("layers", "params", "sizes", "memory_estimate"):
+                    if isinstance(sh.get(key), dict) and isinstance(new.get(key), dict):
+                        sh[key] = {**sh[key], **new[key]}
+                sh["response_lengths"] = sorted(set(sh.get("response_lengths") or []) | set(new.get("response_lengths") or []))
             meta.setdefault("merged_from", [])
             for p in r["points"]:
                 points[(p["recipe"], p["response_tokens"])] = p  # a later file's point replaces an earlier one's
@@ -751,15 +815,18 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"error: invalid configuration: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    model = dict(TINY if args.tiny else FULL, num_hidden_layers=args.layers)
+    model = dict(TINY if args.tiny else FULL)
+    sizes = {n: point_sizes(args, n) for n in args.lengths}
     meta = dict(
         benchmark="rl_step", what="whole RL steps through jaxrl_fp8.train.run (embedded rollout, R3, TIS, weight push), "
         "Qwen3-30B-A3B-shaped slice from random init, one device", tiny=args.tiny,
         command="python experiments/benchmarks/rl_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        shapes=dict(model=model, layers=args.layers, params=param_counts(model, args.layers), prompt_tokens=args.prompt_tokens,
-                    response_lengths=args.lengths, sizes={str(n): point_sizes(args, n) for n in args.lengths},
-                    memory_estimate={str(n): memory_estimate(model, args.layers, point_sizes(args, n)["batch"],
+        shapes=dict(model=model, prompt_tokens=args.prompt_tokens, response_lengths=args.lengths,
+                    layers={str(n): sizes[n]["layers"] for n in args.lengths},
+                    params={str(n): param_counts(model, sizes[n]["layers"]) for n in args.lengths},
+                    sizes={str(n): sizes[n] for n in args.lengths},
+                    memory_estimate={str(n): memory_estimate(model, sizes[n]["layers"], sizes[n]["batch"],
                                                              args.prompt_tokens + n) for n in args.lengths}),
         warmup_steps=args.warmup_steps, time_budget_seconds=args.time_budget or None,
         env={k: os.environ.get(k) for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
@@ -792,10 +859,10 @@ def main(argv=None) -> int:
         if os.path.exists(part_path):
             os.remove(part_path)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{recipe}:{length}", "--child-out", part_path,
-               "--out", args.out, "--runs-dir", args.runs_dir, "--layers", str(args.layers),
+               "--out", args.out, "--runs-dir", args.runs_dir,
                "--prompt-tokens", str(args.prompt_tokens), "--response-lengths", str(length), "--seed", str(args.seed),
                "--recipes", recipe]
-        for flag, v in (("--steps", args.steps), ("--prompts", args.prompts), ("--samples-per-prompt", args.samples_per_prompt),
+        for flag, v in (("--layers", args.layers), ("--steps", args.steps), ("--prompts", args.prompts), ("--samples-per-prompt", args.samples_per_prompt),
                         ("--batch", args.batch), ("--logprob-chunk", args.logprob_chunk), ("--attention-impl", args.attention_impl)):
             if v is not None:
                 cmd += [flag, str(v)]
