@@ -3,7 +3,7 @@
 Converters (`hf_to_*`), live export (`converters.export`) and the verifier all call `quantize_hf_tensor`, so
 their outputs are bit-identical on the same weights by construction. The arithmetic itself is the precision
 contract's (`jaxrl_fp8.precision`); this module only chooses the contract function for a `QuantSpec`, jits
-it, and names / shapes / dtypes the results the way SGLang loads them (REFERENCE.md).
+it, and names / shapes / dtypes the results the way SGLang loads them (the layouts: `converters.spec`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 write itself into `config.json` (`quantization_config`) and `hf_quant_config.json`, and how to read itself
 back from a checkpoint, so `converters.verify` can re-derive every tensor from the checkpoint alone.
 
-Layouts written (REFERENCE.md):
+Layouts written (what SGLang's loaders read):
   fp8-block, strategy block : quant_method "fp8", weight_block_size [bn, bk]; `weight_scale_inv` f32 [ceil(N/bn), ceil(K/bk)]
   fp8-block, strategy tensor: quant_method "fp8", no weight_block_size;       `weight_scale` f32 [1]
   fp8-block, strategy channel: quant_method "compressed-tensors" (SGLang's per-channel FP8 path); `weight_scale` f32 [N, 1]

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The H200 measurements, one stage per call (each fits a 10-minute device command), outputs under $OUT.
 #   bash experiments/h200_runs.sh tests      # every -m gpu test (kernels, ops, converters), one log
-#   bash experiments/h200_runs.sh gemm       # experiments/benchmarks/gemm.py: dense, MoE (fwd + wgrad), linear fwd+bwd
+#   bash experiments/h200_runs.sh gemm       # experiments/benchmarks/gemm.py: dense, MoE (fwd + wgrad), linear fwd+bwd, torch anchors
+#   bash experiments/h200_runs.sh wgrad      # issue 23 (< 8 min): the FP8 MoE wgrad kernels' GPU tests, their timing (persistent
+#                                            # kernel configs, gather kernel, transposed_ragged_dot_mgpu) and the torch anchors
 #   bash experiments/h200_runs.sh breakdown  # FP8 linear fwd+bwd component times (incl. the GEMM tile variants)
-#   bash experiments/h200_runs.sh quantize   # quantize GPU bit tests + the FP8 / MXFP8 quantize benchmark (copy anchor)
-#   bash experiments/h200_runs.sh nvfp4      # NVFP4: GPU bit tests of every version, the version / tiling sweep, SASS, ncu
+#   bash experiments/h200_runs.sh quantize   # FP8 / MXFP8 quantize GPU bit tests + their benchmark (copy anchor)
+#   bash experiments/h200_runs.sh nvfp4      # NVFP4: GPU bit tests (v14, v12), the version / tiling sweep, SASS, ncu
 #   bash experiments/h200_runs.sh bandwidth  # every quantizer: wall-clock rounds + CUPTI kernel time, 256 MiB and 1 GiB
-#   bash experiments/h200_runs.sh next_tests   # GPU bit tests of the dynamic schedule and NVFP4 v10-v13, their SASS
-#   bash experiments/h200_runs.sh next_timing  # then the NVFP4 sweep (static / dynamic, v6-v13) and ncu SM balance
 #   bash experiments/h200_runs.sh decode     # embedded engine decode, BF16 vs FP8, batch 1 / 32 / 256, roofline
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
 #   bash experiments/h200_runs.sh curves     # recipe curves (short RL runs, identical seeds)
@@ -89,9 +89,8 @@ parallel() {
 }
 
 # ncu_nvfp4 IMPL ROWS CTAS [SCHEDULE]: Nsight Compute of one NVFP4 call on the 256 MiB bf16 benchmark input
-# (experiments/benchmarks/profile_one.py), with per-SM active cycles; the report goes to
-# $OUT/ncu_nvfp4_IMPL_rROWS_cCTAS[_dynamic].txt
-# why warps wait, per issued instruction (the v3 profile's breakdown in results/ncu/nvfp4_v3_stalls_h200.txt)
+# (experiments/benchmarks/profile_one.py), with per-SM active cycles and why warps wait, per issued instruction;
+# the report goes to $OUT/ncu_nvfp4_IMPL_rROWS_cCTAS[_dynamic].txt
 STALLS=$(for r in barrier long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle membar not_selected \
            selected dispatch_stall no_instruction branch_resolving sleeping; do
            printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' "$r"; done | sed 's/,$//')
@@ -133,42 +132,31 @@ case "${1:-}" in
   diag) $PY experiments/checks/nvfp4_gpu_diag.py --out "$OUT" --quick 2>&1 | quiet | tee "$OUT/diag.log" ;;
   tests) $PY -m pytest -v -m gpu tests -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
   gemm) $PY experiments/benchmarks/gemm.py --out "$OUT/gemm_h200.json" 2>&1 | quiet | tee "$OUT/gemm.log" ;;
+  wgrad)  # $OUT/wgrad_gpu_tests.log, $OUT/gemm_wgrad_h200.json (+ gemm_wgrad.log); the torch anchors run in a child
+          # process, so JAX takes 60 % of the GPU's memory instead of 75 % (leaves torch ~50 GB)
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.6
+    timeout 180 $PY -m pytest -v -m gpu tests/pallas_kernels/test_gemm_grouped_wgrad.py tests/ops/test_kernel_backends.py \
+        -k "wgrad or (gpu_mosaic_linear_and_grouped and fp8)" -p no:cacheprovider --durations=10 \
+        2>&1 | tee "$OUT/wgrad_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Timeout"
+    timeout 270 $PY experiments/benchmarks/gemm.py --suites wgrad,torch --out "$OUT/gemm_wgrad_h200.json" 2>&1 | quiet \
+        | tee "$OUT/gemm_wgrad.log" ;;
   breakdown) $PY experiments/benchmarks/linear_breakdown.py --out "$OUT/linear_breakdown_h200.json" 2>&1 | quiet | tee "$OUT/breakdown.log" ;;
-  nvfp4)  # NVFP4: every version's GPU bit tests, the version / tiling sweep against the copy anchor, SASS of v6-v8, and
-          # Nsight Compute of the default (per-SM active cycles: how evenly the persistent grid loads the SMs)
+  nvfp4)  # NVFP4: the GPU bit tests of both versions, the version / tiling sweep against the copy anchor, their SASS,
+          # and Nsight Compute of the default (per-SM active cycles: how evenly the persistent grid loads the SMs)
     timeout 240 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider \
         -k "reciprocal or markstein or nvfp4" 2>&1 | tee "$OUT/nvfp4_gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed"
     timeout 200 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" \
         2>&1 | quiet | tee "$OUT/quantize_nvfp4.log"
-    timeout 90 $PY experiments/benchmarks/sass.py --variants nvfp4_v6,nvfp4_v10,nvfp4_v12,nvfp4_v7_f32,nvfp4_v11_f32,nvfp4_v13_f32 \
+    timeout 90 $PY experiments/benchmarks/sass.py --variants nvfp4,nvfp4_f32,nvfp4_v12,nvfp4_v12_f32 \
         --out "$OUT/sass_nvfp4_h200.json" 2>&1 | quiet | tail -10
-    ncu_nvfp4 v6 768 3 ;;
-  next_tests)  # the session-19 kernels, not yet run on a GPU: the dynamic schedule (every kernel) and NVFP4 v10 - v13,
-              # their GPU bit tests, then the SASS of v10 - v13 next to v6 / v7 (registers, instructions)
-    # v10 - v13 first (static schedule: no new synchronisation), then the schedule / barrier tests, each with its own
-    # time limit so that a hang in the new synchronisation can't cost the other half
-    timeout 170 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider \
-        -k "v10 or v11 or v12 or v13" > "$OUT/next_gpu_tests_v10_v13.log" 2>&1
-    grep -E "FAILED|ERROR|passed|failed" "$OUT/next_gpu_tests_v10_v13.log" | tail -20
-    timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize_schedule.py -p no:cacheprovider \
-        > "$OUT/next_gpu_tests_schedule.log" 2>&1
-    grep -E "FAILED|ERROR|passed|failed" "$OUT/next_gpu_tests_schedule.log" | tail -20
-    timeout 120 $PY experiments/benchmarks/sass.py --variants nvfp4_v6,nvfp4_v10,nvfp4_v12,nvfp4_v7_f32,nvfp4_v11_f32,nvfp4_v13_f32 \
-        --out "$OUT/sass_nvfp4_next_h200.json" 2>&1 | quiet | tail -12 ;;
-  next_timing)  # after next_tests passed: the NVFP4 sweep (static / dynamic, v6 / v10 / v12, v7 / v11 / v13) against the
-                # copy anchor, then Nsight Compute's per-SM active cycles of v6 at 768 rows, static vs dynamic
-    timeout 400 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --out "$OUT/quantize_nvfp4_h200.json" \
-        2>&1 | quiet | tee "$OUT/quantize_nvfp4.log"  # JSON after every config: a cut keeps what was timed
-    ncu_nvfp4 v6 768 2 static; ncu_nvfp4 v6 768 2 dynamic; ncu_nvfp4 v6 768 3 dynamic ;;  # 3 static: results/ncu (session 18)
-  quantize)  # the quantize GPU bit tests (NVFP4: the default versions) and the benchmark of the FP8 / MXFP8 kernels
-             # against the copy anchor measured in the same run (results/quantize_h200.json)
-    timeout 150 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider -k "not nvfp4 or v14 or default" \
+    ncu_nvfp4 v14 1024 2 dynamic ;;
+  quantize)  # the FP8 / MXFP8 quantize GPU bit tests and their benchmark against the copy anchor measured in the same
+             # run (results/quantize_h200.json); NVFP4 is the nvfp4 stage's (both together pass the 10-minute limit)
+    timeout 150 $PY -m pytest -v -m gpu tests/pallas_kernels/test_quantize.py -p no:cacheprovider -k "not nvfp4" \
         2>&1 | tee "$OUT/quantize_gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed"
-    # the FP8 / MXFP8 kernels here (with the dynamic schedule and explicit barriers, about 30 configs); NVFP4's sweep
-    # is next_timing's (one call each: both together pass the 10-minute limit)
     timeout 400 $PY experiments/benchmarks/quantize.py --kernels fp8_per_token_group,mxfp8,fp8_per_block --rounds 5 \
         --out "$OUT/quantize_h200.json" 2>&1 | quiet | tee "$OUT/quantize.log" ;;
-  bandwidth)  # the #2 measurement (session 20 onwards): NVFP4 sweep, then FP8 / MXFP8, each with 5 interleaved
+  bandwidth)  # the bandwidth table of decision record 0006: the NVFP4 sweep, then FP8 / MXFP8, each with 5 interleaved
               # wall-clock rounds and every config's CUPTI kernel time against the copy's, 256 MiB and 1 GiB inputs
     timeout 280 $PY experiments/benchmarks/quantize.py --kernels nvfp4 --no-anchor-torch --rounds 5 \
         --out "$OUT/quantize_nvfp4_h200.json" 2>&1 | quiet | tee "$OUT/quantize_nvfp4.log" | tail -8
@@ -179,5 +167,5 @@ case "${1:-}" in
               --append --out "$OUT/mismatch_h200" --compile-cache /tmp/jax_cache --no-progress 2>&1 | tail -20 ;;
   curves) $PY experiments/recipe_curves.py --steps 100 --set data.prompts_per_step=64 --out "$OUT/recipe_curves_h200" \
               --runs-dir "$OUT/runs" --overwrite 2>&1 | tail -20 ;;
-  *) sed -n 2,16p "$0"; exit 2 ;;
+  *) sed -n 2,18p "$0"; exit 2 ;;
 esac

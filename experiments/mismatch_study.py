@@ -1,4 +1,5 @@
-"""Train–rollout mismatch across MoE sizes and precision recipes (the seed's Unified-FP8 claim, measured).
+"""Train–rollout mismatch across MoE sizes and precision recipes: the Unified-FP8 claim (one quantization path
+for rollout and training removes the mismatch), measured.
 
 For every model size of a Qwen3-MoE sweep and every recipe, on one fixed set of seeded random-token prompts:
 

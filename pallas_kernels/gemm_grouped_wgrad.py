@@ -4,15 +4,18 @@ Operands as `jaxrl_fp8.ops.grouping.grouped_wgrad_fp8` takes them: dyt_q [N, M] 
 1x128 along M (the contraction) with scales [N, M/128] and [K, M/128]. A 128-row quantization group may
 straddle two experts; each expert must then see only its own rows of it.
 
-Layout: the M axis is re-cut into work items (one per (expert, 128-row block) pair that shares a row, at most
-M/128 + E, `gemm_grouped.work_items`). One XLA gather builds the item-major operands, dyt with the other
-expert's rows zeroed in each item, so every expert's contraction is one contiguous run of whole 128-wide
-blocks. The kernel then runs the dense kernel's tile routine in column-scale mode (acc += p * (sa[n] * sb[k])
-per block, in item order) with a pipeline whose length is that expert's item count (a dynamic grid). Empty
-experts get zeros. The gather moves ~(N + K) * (M + 128 E) bytes of FP8 once, instead of the XLA path's
-scan of M/128 + E small block-scaled GEMMs.
+`grouped_wgrad_fp8` (issue 23): a persistent k-grouped kernel. One warp-specialized pipeline per SM for the whole
+call walks (expert, N tile, K tile) output tiles and, per tile, the expert's 128-row blocks, read by TMA in place
+from dyt_q / xt_q; the TMA ring runs on across tiles, so the next tile's loads stream during a tile's epilogue.
+Each expert's first and last block, when shared with another expert, come from a small pre-masked copy
+(`edge_blocks`). Per block: one wgmma into a fresh accumulator, promoted as acc += p * (sa[n] * sb[k]), blocks in
+order: the block math of the XLA path. docs/decisions/0002-gemm-tiling.md has the reasoning and the arithmetic.
 
-`grouped_wgrad_bf16(dy, x, ...)` is the same scheme for BF16 operands (the BF16 recipes' and the
+`grouped_wgrad_fp8_gather` (kept as the tests' bitwise oracle and the benchmark's comparison): one XLA gather re-cuts M into
+item-major operands (other experts' rows zeroed), then each output tile runs the dense kernel's tile routine with
+a dynamic-length pipeline. Same bits as the persistent kernel.
+
+`grouped_wgrad_bf16(dy, x, ...)` is the gather scheme for BF16 operands (the BF16 recipes' and the
 high-precision backward's wgrad), with the BF16 grouped kernel's tile routine and no scales.
 """
 
@@ -33,8 +36,10 @@ from pallas_kernels.gemm_dense import (
     GemmConfig,
     _out_smem,
     launch_persistent,
+    _swizzle_transforms,
     scaled_tile_pipeline,
     tile_store,
+    zero_acc,
     zero_fill,
 )
 from pallas_kernels import gemm_grouped_bf16
@@ -116,11 +121,8 @@ def _kernel(ranges_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmC
         _expert_tiles(ranges_gmem, o_gmem, out_smem, cfg, run_tile)
 
 
-@traced_once("num_groups", "interpret", "config")
-def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, interpret: bool = False,
-                      config: GemmConfig | None = None):
-    """float32 [E, N, K]; same contract as `jaxrl_fp8.ops.grouping.grouped_wgrad_fp8`. N, K multiples of 128."""
-    where = "gemm_grouped_wgrad.grouped_wgrad_fp8"
+def _check_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, where: str):
+    """The FP8 wgrad operands' contract (shapes, dtypes); returns (N, M, K, M/128 blocks)."""
     n, m = dyt_q.shape
     k = xt_q.shape[0]
     if xt_q.shape[1] != m:
@@ -135,6 +137,278 @@ def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups:
                          f"{dyt_scale.shape}, {xt_scale.shape}")
     if group_sizes.shape != (num_groups,):
         raise ValueError(f"{where}: group_sizes must be [{num_groups}]; got {group_sizes.shape}")
+    return n, m, k, mb
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The persistent k-grouped kernel (issue 23).
+
+TILE = 128  # output tile: 128 rows of N (64 per compute warpgroup) x 128 columns of K
+
+# Rows of the per-expert table (int32 [4, E]).
+FIRST_BLOCK, COUNT, FIRST_EDGE, LAST_EDGE = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgradConfig:
+    """Tiling of the persistent k-grouped wgrad kernel (`grouped_wgrad_fp8`).
+
+    stages: ring of TMA buffers (33 KB each: two 128x128 e4m3 tiles + 2 x 128 scales); with the 64 KB float32
+      epilogue tile, 4 is the most that fits in 227 KB.
+    blocks_per_step: 1 or 2 K blocks per compute step. With 2 each compute warpgroup issues both wgmmas before it
+      promotes the first (the second runs under that promotion); an expert's odd last block runs alone.
+    mask: which operand's boundary blocks come from the pre-masked edge array: "a" (dy^T), "b" (x^T), or "auto"
+      (the one with fewer rows, so the edge array is smallest). Either gives the same bits (a foreign row
+      contributes an exact zero product either way).
+    k_fastest: walk an expert's output tiles along K (columns) first; else along N.
+    """
+
+    stages: int = 4
+    blocks_per_step: int = 1
+    mask: str = "auto"
+    k_fastest: bool = True
+
+    def check(self, where: str) -> None:
+        if self.blocks_per_step not in (1, 2):
+            raise ValueError(f"{where}: blocks_per_step must be 1 or 2; got {self.blocks_per_step}")
+        if not 2 <= self.stages <= 4:
+            raise ValueError(f"{where}: stages must be 2, 3 or 4 (shared memory); got {self.stages}")
+        if self.mask not in ("a", "b", "auto"):
+            raise ValueError(f"{where}: mask must be 'a', 'b' or 'auto'; got {self.mask!r}")
+
+
+DEFAULT_WGRAD_CONFIG = WgradConfig()
+
+
+def expert_table(group_sizes, m: int, num_groups: int):
+    """Per expert: (first 128-row block, block count, first block partial, last block partial) as int32 [4, E],
+    and the work items (`gemm_grouped.work_items`, 128-row blocks) of expert e's first and last block, int32 [2E].
+
+    An expert's contraction is the run of blocks first ... first + count - 1 of the M axis; a block is partial when
+    the expert owns only some of its rows (it shares the block with another expert or with rows past the groups).
+    """
+    items = work_items(group_sizes, m, BLOCK_K)
+    first, count = _ranges(items, num_groups)
+    last_t = items.shape[1] - 1
+    fi = jnp.clip(first, 0, last_t)
+    li = jnp.clip(first + count - 1, 0, last_t)
+    live = count > 0
+    partial = lambda t: live & ((items[OFFSET][t] != 0) | (items[SIZE][t] != BLOCK_K))
+    table = jnp.stack([jnp.where(live, items[BLOCK][fi], 0), count, partial(fi), partial(li)]).astype(jnp.int32)
+    return table, items, jnp.stack([fi, li], axis=1).reshape(-1)
+
+
+def edge_blocks(a, items, edge_items):
+    """a [C, Mp] (Mp whole 128-blocks) -> [C, 2E*128]: columns 256e ... +128 hold expert e's first block of a,
+    columns 256e + 128 ... +128 its last block, each with the rows (columns here) of other experts zeroed.
+    The only copy of operand data the kernel needs: C x 2E x 128 bytes (vs. all of both operands to gather)."""
+    c, mp = a.shape
+    u = lax.bitcast_convert_type(a, jnp.uint8).reshape(c, mp // BLOCK_K, BLOCK_K)
+    lane = jnp.arange(BLOCK_K, dtype=jnp.int32)
+    lo = items[OFFSET][edge_items][:, None]
+    keep = (lane >= lo) & (lane < lo + items[SIZE][edge_items][:, None]) & (items[GROUP][edge_items] >= 0)[:, None]
+    u = jnp.where(keep[None], jnp.take(u, items[BLOCK][edge_items], axis=1), jnp.zeros((), jnp.uint8))
+    return lax.bitcast_convert_type(u.reshape(c, -1), a.dtype)
+
+
+def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, o_gmem, *, cfg: WgradConfig,
+                       mask_a: bool):
+    """One program per SM, three warpgroups: wg 2 streams TMA loads through a ring of `stages` buffers, wg 0 / 1
+    each compute 64 rows of a 128 x 128 output tile. Both walk the same tiles (expert-major, `nd_loop` over SMs)
+    and, per tile, the same blocks; the ring and its barriers run on across tiles, so the loads of the next tile
+    stream while a tile's epilogue stores (no pipeline fill or drain per tile)."""
+    e, n, k = o_gmem.shape
+    n_tiles, k_tiles = n // TILE, k // TILE
+    per_expert = n_tiles * k_tiles
+    stages, kps = cfg.stages, cfg.blocks_per_step
+    tm = TILE // 2
+    fp8_transforms = _swizzle_transforms(BLOCK_K, jnp.float8_e4m3fn)
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def coords(t):
+        g, local = lax.div(t, per_expert), lax.rem(t, per_expert)
+        if cfg.k_fastest:
+            return g, lax.div(local, k_tiles), lax.rem(local, k_tiles)
+        return g, lax.rem(local, n_tiles), lax.div(local, n_tiles)
+
+    def scoped(a_smem, b_smem, sa_smem, sb_smem, out_smem, full, empty):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @plgpu.nd_loop((e * per_expert,), collective_axes="sm", init_carry=jnp.int32(0))
+            def issued(info, carry):
+                g, ni, ki = coords(info.index[0])
+                first, count = table_gmem[FIRST_BLOCK, g], table_gmem[COUNT, g]
+                first_edge, last_edge = table_gmem[FIRST_EDGE, g] != 0, table_gmem[LAST_EDGE, g] != 0
+                ns, ks = pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)
+                masked_gmem, masked_smem, masked_rows = (a_gmem, a_smem, ns) if mask_a else (b_gmem, b_smem, ks)
+                plain_gmem, plain_smem, plain_rows = (b_gmem, b_smem, ks) if mask_a else (a_gmem, a_smem, ns)
+
+                def block(j, it):
+                    slot = lax.rem(it, stages)
+
+                    @pl.when(it >= stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])  # both compute warpgroups are done with this buffer
+
+                    blk = first + j
+                    cols = pl.ds(blk * BLOCK_K, BLOCK_K)
+                    at_first, at_last = j == 0, j == count - 1
+                    is_edge = (at_first & first_edge) | (at_last & last_edge)
+                    edge_cols = pl.ds((2 * g + jnp.where(at_first, 0, 1)) * BLOCK_K, BLOCK_K)
+                    bar = full.at[slot]
+
+                    @pl.when(is_edge)
+                    def _():
+                        plgpu.copy_gmem_to_smem(edge_gmem.at[masked_rows, edge_cols], masked_smem.at[slot], bar)
+
+                    @pl.when(jnp.logical_not(is_edge))
+                    def _():
+                        plgpu.copy_gmem_to_smem(masked_gmem.at[masked_rows, cols], masked_smem.at[slot], bar)
+
+                    plgpu.copy_gmem_to_smem(plain_gmem.at[plain_rows, cols], plain_smem.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(sa_gmem.at[blk, ns], sa_smem.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(sb_gmem.at[blk, ks], sb_smem.at[slot], bar)
+                    return it + 1
+
+                return lax.fori_loop(0, count, block, carry)
+
+            # leave no arrival pending: the last `stages` buffers' consumers
+            @pl.loop(jnp.maximum(issued - stages, 0), issued)
+            def _(it):
+                plgpu.barrier_wait(empty.at[lax.rem(it, stages)])
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            rows = pl.ds(wg * tm, tm)
+
+            def mma(acc_ref, slot):
+                plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b_smem.at[slot].transpose((1, 0)))
+
+            def scale(slot):
+                """sa[n] * sb[k] of the block in `slot`, [tm, TILE] (the block math's per-element scale)."""
+                sa = plgpu.load(sa_smem.at[slot, rows], layout=row_layout)
+                sb = plgpu.load(sb_smem.at[slot], layout=col_layout)
+                return lax.broadcast_in_dim(sa, (tm, TILE), [0]) * lax.broadcast_in_dim(sb, (tm, TILE), [1])
+
+            def one_block(_, carry):
+                acc, it = carry
+                slot = lax.rem(it, stages)
+                plgpu.barrier_wait(full.at[slot])
+
+                def scope(acc_ref):
+                    mma(acc_ref, slot)
+                    partial = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+                    s = scale(slot)
+                    plgpu.barrier_arrive(empty.at[slot])
+                    return acc + partial * s
+
+                return pl.run_scoped(scope, plgpu.ACC((tm, TILE), F32)), it + 1
+
+            def two_blocks(_, carry):
+                acc, it = carry
+                s0, s1 = lax.rem(it, stages), lax.rem(it + 1, stages)
+                plgpu.barrier_wait(full.at[s0])
+                plgpu.barrier_wait(full.at[s1])
+
+                def scope(acc0, acc1):
+                    mma(acc0, s0)
+                    mma(acc1, s1)
+                    p0 = plgpu.wgmma_accumulator_load(acc0, wait_n=1)
+                    sc0 = scale(s0)
+                    plgpu.barrier_arrive(empty.at[s0])
+                    out = acc + p0 * sc0
+                    p1 = plgpu.wgmma_accumulator_load(acc1, wait_n=0)
+                    sc1 = scale(s1)
+                    plgpu.barrier_arrive(empty.at[s1])
+                    return out + p1 * sc1
+
+                return pl.run_scoped(scope, plgpu.ACC((tm, TILE), F32), plgpu.ACC((tm, TILE), F32)), it + 2
+
+            num_tiles = e * per_expert
+            count_of = lambda t: table_gmem[COUNT, lax.div(jnp.minimum(t, num_tiles - 1), per_expert)]
+            first_tile = lax.axis_index("sm")
+
+            @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=(jnp.int32(0), count_of(first_tile)))
+            def _tiles(info, carry):
+                carry, count = carry
+                # the next tile's block count, loaded a whole tile ahead (its latency off the tensor core's path)
+                count_next = count_of(info.index[0] + lax.axis_size("sm"))
+                g, ni, ki = coords(info.index[0])
+                acc = zero_acc(tm, TILE)
+                if kps == 2:
+                    acc, carry = lax.fori_loop(0, lax.div(count, 2), two_blocks, (acc, carry))
+                    acc, carry = lax.fori_loop(0, lax.rem(count, 2), one_block, (acc, carry))
+                else:
+                    acc, carry = lax.fori_loop(0, count, one_block, (acc, carry))
+                # an expert without rows (count 0) stores its zero tile here
+                tile_store(o_gmem.at[g, pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)], out_smem, tm)(acc, wg)
+                return carry, count_next
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((stages, TILE, BLOCK_K), jnp.float8_e4m3fn, transforms=fp8_transforms),
+        plgpu.SMEM((stages, TILE, BLOCK_K), jnp.float8_e4m3fn, transforms=fp8_transforms),
+        plgpu.SMEM((stages, TILE), F32),
+        plgpu.SMEM((stages, TILE), F32),
+        plgpu.SMEM((2, tm, TILE), F32, transforms=_swizzle_transforms(TILE, F32)),
+        plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg",
+    )
+
+
+def _launch(kernel, out_type, *args, interpret: bool):
+    """`launch_persistent` with an SM count also when lowering for CUDA on a machine without a GPU (tests)."""
+    from pallas_kernels.interpret import INTERPRET_NUM_SMS, launch
+
+    num_sms = INTERPRET_NUM_SMS if interpret else (getattr(jax.devices()[0], "core_count", None) or 132)
+    call = plgpu.kernel(
+        kernel, out_type=out_type, grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return launch(call, *args, interpret=interpret)
+
+
+@traced_once("num_groups", "interpret", "config")
+def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, interpret: bool = False,
+                      config: WgradConfig | None = None):
+    """float32 [E, N, K]; same contract as `jaxrl_fp8.ops.grouping.grouped_wgrad_fp8`. N, K multiples of 128.
+
+    The persistent k-grouped kernel: TMA reads each expert's 128-row blocks in place from dyt_q / xt_q (no
+    item-major copy); only each expert's first and last block, when shared, come from a small pre-masked copy
+    (`edge_blocks`). Bits equal `grouped_wgrad_fp8_gather` and the XLA path (same blocks, order and block math).
+    """
+    where = "gemm_grouped_wgrad.grouped_wgrad_fp8"
+    n, m, k, mb = _check_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups, where)
+    cfg = config or DEFAULT_WGRAD_CONFIG
+    cfg.check(where)
+    mp = mb * BLOCK_K
+    if mp != m:  # whole blocks for TMA; the padding columns belong to no expert (work_items clips to m)
+        dyt_q, xt_q = (jnp.pad(a, [(0, 0), (0, mp - m)]) for a in (dyt_q, xt_q))
+    table, items, edge_items = expert_table(group_sizes, m, num_groups)
+    mask_a = cfg.mask == "a" or (cfg.mask == "auto" and n <= k)
+    edge = edge_blocks(dyt_q if mask_a else xt_q, items, edge_items)
+    sa_t = jnp.asarray(dyt_scale, F32).T  # [M/128, N]: a block's scales of one tile are 512 contiguous bytes
+    sb_t = jnp.asarray(xt_scale, F32).T
+    kernel = functools.partial(_persistent_kernel, cfg=cfg, mask_a=mask_a)
+    out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
+    return _launch(kernel, out, table, dyt_q, xt_q, sa_t, sb_t, edge, interpret=interpret)
+
+
+@traced_once("num_groups", "interpret", "config")
+def grouped_wgrad_fp8_gather(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, interpret: bool = False,
+                      config: GemmConfig | None = None):
+    """The gather scheme: XLA gather into item-major operands + a dynamic-length pipeline per output
+    tile. Same contract and bits as `grouped_wgrad_fp8`; kept to time and bit-compare the persistent kernel against."""
+    n, m, k, _ = _check_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups,
+                            "gemm_grouped_wgrad.grouped_wgrad_fp8_gather")
     cfg = config or DEFAULT_CONFIG  # the grouped forward's tiling
     if cfg.k_blocks_per_step != 1:
         cfg = dataclasses.replace(cfg, k_blocks_per_step=1)  # an expert's block count may be odd

@@ -11,7 +11,7 @@ schedule, Pallas' automatic barriers on or off) for benchmarks.
 Design, tiling and measured bandwidth: docs/decisions/0006-quantize-kernels.md.
 """
 
-from pallas_kernels.quantize_common import TileConfig
+from pallas_kernels.tiling import TileConfig
 from pallas_kernels.quantize_fp8 import fp8_per_block, fp8_per_token_group, mxfp8
 from pallas_kernels.quantize_nvfp4 import nvfp4
 

@@ -24,7 +24,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_fp8.precision.formats import AMAX_FLOOR, MXFP8_BLOCK, fp8_max
-from pallas_kernels import quantize_common as C
+from pallas_kernels.exact_arith import (
+    abs_for_amax, ceil_pow2_bits, div_mode, divide_by_rows, e8m0_byte, finite_or_nan, ieee_div, INTERPRET, load_tile,
+    pow2_reciprocal_bits, rdiv, row_broadcast, row_mode,
+)
+from pallas_kernels.tile_schedules import persistent_kernel
+from pallas_kernels.tiling import (
+    interpret_context, resolve_interpret, ROW_PAD, ROWS, swizzle_transforms, tile_rows, TileConfig,
+)
 from pallas_kernels.kernel_cache import traced_once
 
 F32 = jnp.float32
@@ -43,21 +50,21 @@ def _check_input(x, what):
 
 def _group_body(t, x_ref, q_ref, s_ref, *, fmax, out_dtype, pow2, e8m0, mode, pow2_inv="div"):
     del t
-    x = C.load_tile(x_ref, mode).astype(F32)
-    amax = C.finite_or_nan(jnp.max(C.abs_for_amax(x, mode), axis=1), AMAX_FLOOR)
-    s = C.ieee_div(amax, fmax, layout=C.ROWS, mode=C.row_mode(mode))
+    x = load_tile(x_ref, mode).astype(F32)
+    amax = finite_or_nan(jnp.max(abs_for_amax(x, mode), axis=1), AMAX_FLOOR)
+    s = ieee_div(amax, fmax, layout=ROWS, mode=row_mode(mode))
     if pow2:
-        s = C.ceil_pow2_bits(s)
+        s = ceil_pow2_bits(s)
         # s is a power of two, so x * (1/s) is the same real number as x / s, rounded once: identical bits.
         if pow2_inv == "bits":  # mxfp8 impl v2: 1/s from the exponent (exact), no div.rn per row
-            inv = C.pow2_reciprocal_bits(s)
+            inv = pow2_reciprocal_bits(s)
         else:
-            inv = C.rdiv(1.0, s, layout=C.ROWS, mode=C.row_mode(mode))
-        y = x * C.row_broadcast(inv, x.shape)
+            inv = rdiv(1.0, s, layout=ROWS, mode=row_mode(mode))
+        y = x * row_broadcast(inv, x.shape)
     else:
-        y = C.divide_by_rows(x, s, mode=mode)
+        y = divide_by_rows(x, s, mode=mode)
     q_ref[...] = jnp.minimum(jnp.maximum(y, -fmax), fmax).astype(out_dtype)
-    s_ref[...] = C.e8m0_byte(s) if e8m0 else s
+    s_ref[...] = e8m0_byte(s) if e8m0 else s
 
 
 @functools.partial(jax.jit, static_argnames=("group", "out_dtype", "pow2", "e8m0", "cfg", "interpret", "pow2_inv"))
@@ -68,25 +75,25 @@ def _quantize_rows(x, *, group, out_dtype, pow2, e8m0, cfg, interpret, pow2_inv=
     xp = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)]) if pad else x
     groups = (k + pad) // group
     r = math.prod(lead) * groups
-    r8 = -(-r // C.ROW_PAD) * C.ROW_PAD  # see ROW_PAD
+    r8 = -(-r // ROW_PAD) * ROW_PAD  # see ROW_PAD
     x2 = xp.reshape(r, group)
     if r8 != r:
         x2 = jnp.pad(x2, [(0, r8 - r), (0, 0)])
-    tr = C.tile_rows(cfg, group)
+    tr = tile_rows(cfg, group)
     ntiles = pl.cdiv(r8, tr)
     s_dtype = jnp.uint8 if e8m0 else F32
     rows = lambda g, t: g.at[pl.ds(t * tr, tr)]
     body = functools.partial(
         _group_body, fmax=fp8_max(out_dtype), out_dtype=out_dtype, pow2=pow2, e8m0=e8m0,
-        mode=C.div_mode(interpret, cfg), pow2_inv=pow2_inv,
+        mode=div_mode(interpret, cfg), pow2_inv=pow2_inv,
     )
-    call = C.persistent_kernel(
+    call = persistent_kernel(
         body,
         name=f"quantize_{'mx' if e8m0 else 'fp8'}_g{group}",
         out_shapes=[jax.ShapeDtypeStruct((r8, group), out_dtype), jax.ShapeDtypeStruct((r8,), s_dtype)],
-        in_tiles=[((tr, group), x.dtype, C.swizzle_transforms(group, x.dtype), rows)],
+        in_tiles=[((tr, group), x.dtype, swizzle_transforms(group, x.dtype), rows)],
         out_tiles=[
-            ((tr, group), out_dtype, C.swizzle_transforms(group, out_dtype), rows),
+            ((tr, group), out_dtype, swizzle_transforms(group, out_dtype), rows),
             ((tr,), s_dtype, (), rows),
         ],
         ntiles=ntiles,
@@ -108,7 +115,7 @@ def _check_group(group, what):
 
 @traced_once("group_size", "dtype", "pow2_scale", "interpret", "config")
 def fp8_per_token_group(x, group_size: int = 128, *, dtype=jnp.float8_e4m3fn, pow2_scale: bool = False,
-                        interpret: bool = False, config: C.TileConfig | None = None):
+                        interpret: bool = False, config: TileConfig | None = None):
     """Kernel form of `jaxrl_fp8.precision.quantize_fp8_per_token_group` (same outputs, bit for bit)."""
     x = jnp.asarray(x)
     if x.ndim == 0:
@@ -116,10 +123,10 @@ def fp8_per_token_group(x, group_size: int = 128, *, dtype=jnp.float8_e4m3fn, po
     _check_input(x, "fp8_per_token_group")
     fp8_max(dtype)  # validates dtype
     _check_group(group_size, "fp8_per_token_group")
-    interpret = C.resolve_interpret(interpret)
-    with C.interpret_context(interpret):
+    interpret = resolve_interpret(interpret)
+    with interpret_context(interpret):
         return _quantize_rows(x, group=group_size, out_dtype=jnp.dtype(dtype), pow2=pow2_scale, e8m0=False,
-                              cfg=config or C.TileConfig(), interpret=interpret)
+                              cfg=config or TileConfig(), interpret=interpret)
 
 
 MXFP8_IMPLS = ("v2", "v1")
@@ -127,7 +134,7 @@ MXFP8_IMPLS = ("v2", "v1")
 
 @traced_once("block", "dtype", "interpret", "config", "impl")
 def mxfp8(x, block: int = MXFP8_BLOCK, *, dtype=jnp.float8_e4m3fn, interpret: bool = False,
-          config: C.TileConfig | None = None, impl: str = "v2"):
+          config: TileConfig | None = None, impl: str = "v2"):
     """Kernel form of `jaxrl_fp8.precision.quantize_mxfp8`: (q, UE8M0 scale bytes [..., ceil(K/block)]).
 
     impl "v2" (default) takes the power-of-two reciprocal 1/s from s's exponent bits (exact) instead of a
@@ -141,10 +148,10 @@ def mxfp8(x, block: int = MXFP8_BLOCK, *, dtype=jnp.float8_e4m3fn, interpret: bo
     _check_input(x, "mxfp8")
     fp8_max(dtype)
     _check_group(block, "mxfp8")
-    interpret = C.resolve_interpret(interpret)
-    with C.interpret_context(interpret):
+    interpret = resolve_interpret(interpret)
+    with interpret_context(interpret):
         return _quantize_rows(x, group=block, out_dtype=jnp.dtype(dtype), pow2=True, e8m0=True,
-                              cfg=config or C.TileConfig(), interpret=interpret,
+                              cfg=config or TileConfig(), interpret=interpret,
                               pow2_inv="bits" if impl == "v2" else "div")
 
 
@@ -155,24 +162,24 @@ def _block_body(t, x_ref, q_ref, s_gmem, *, nb, kb, fmax, out_dtype, pow2, mode)
     halves = [x_ref.at[pl.ds(h * HALF, HALF)] for h in range(WEIGHT_BLOCK // HALF)]
     row_max = None
     for half in halves:
-        m = jnp.max(C.abs_for_amax(C.load_tile(half, mode).astype(F32), mode), axis=1)
+        m = jnp.max(abs_for_amax(load_tile(half, mode).astype(F32), mode), axis=1)
         row_max = m if row_max is None else jnp.maximum(row_max, m)
-    amax = C.finite_or_nan(jnp.max(row_max, axis=0), AMAX_FLOOR)  # the block's scalar amax
-    if mode == C.INTERPRET:
+    amax = finite_or_nan(jnp.max(row_max, axis=0), AMAX_FLOOR)  # the block's scalar amax
+    if mode == INTERPRET:
         s = amax / lax.optimization_barrier(F32(fmax))
         if pow2:
-            s = C.ceil_pow2_bits(s)
+            s = ceil_pow2_bits(s)
         s_rows = jnp.broadcast_to(s, (HALF,))
     else:
         # every row of the half-block carries the block's scale: divisions stay per-row vectors
-        s_rows = C.ieee_div(plgpu.layout_cast(jnp.broadcast_to(amax, (HALF,)), C.ROWS), fmax, layout=C.ROWS,
-                            mode=C.row_mode(mode))
+        s_rows = ieee_div(plgpu.layout_cast(jnp.broadcast_to(amax, (HALF,)), ROWS), fmax, layout=ROWS,
+                            mode=row_mode(mode))
         if pow2:
-            s_rows = C.ceil_pow2_bits(s_rows)
+            s_rows = ceil_pow2_bits(s_rows)
         s = jnp.max(s_rows, axis=0)  # all equal (NaN propagates): the scalar to store
     for h, half in enumerate(halves):
-        x = C.load_tile(half, mode).astype(F32)
-        y = C.divide_by_rows(x, s_rows, mode=mode)
+        x = load_tile(half, mode).astype(F32)
+        y = divide_by_rows(x, s_rows, mode=mode)
         q_ref.at[pl.ds(h * HALF, HALF)][...] = jnp.minimum(jnp.maximum(y, -fmax), fmax).astype(out_dtype)
     e, rest = t // (nb * kb), t % (nb * kb)
     s_gmem[e, rest // kb, rest % kb] = s
@@ -195,13 +202,13 @@ def _quantize_blocks(w, *, out_dtype, pow2, cfg, interpret):
         return g.at[ei, pl.ds((rest // kb) * bs, bs), pl.ds((rest % kb) * bs, bs)]
 
     body = functools.partial(_block_body, nb=nb, kb=kb, fmax=fp8_max(out_dtype), out_dtype=out_dtype, pow2=pow2,
-                             mode=C.div_mode(interpret, cfg))
-    call = C.persistent_kernel(
+                             mode=div_mode(interpret, cfg))
+    call = persistent_kernel(
         body,
         name="quantize_fp8_block128",
         out_shapes=[jax.ShapeDtypeStruct(w3.shape, out_dtype)],
-        in_tiles=[((bs, bs), w.dtype, C.swizzle_transforms(bs, w.dtype), block)],
-        out_tiles=[((bs, bs), out_dtype, C.swizzle_transforms(bs, out_dtype), block)],
+        in_tiles=[((bs, bs), w.dtype, swizzle_transforms(bs, w.dtype), block)],
+        out_tiles=[((bs, bs), out_dtype, swizzle_transforms(bs, out_dtype), block)],
         ntiles=ntiles,
         cfg=cfg,
         interpret=interpret,
@@ -214,7 +221,7 @@ def _quantize_blocks(w, *, out_dtype, pow2, cfg, interpret):
 
 @traced_once("block", "dtype", "pow2_scale", "interpret", "config")
 def fp8_per_block(w, block=(WEIGHT_BLOCK, WEIGHT_BLOCK), *, dtype=jnp.float8_e4m3fn, pow2_scale: bool = False,
-                  interpret: bool = False, config: C.TileConfig | None = None):
+                  interpret: bool = False, config: TileConfig | None = None):
     """Kernel form of `jaxrl_fp8.precision.quantize_fp8_per_block` for 128 x 128 blocks ([N, K] or [..., N, K])."""
     w = jnp.asarray(w)
     if w.ndim < 2:
@@ -223,7 +230,7 @@ def fp8_per_block(w, block=(WEIGHT_BLOCK, WEIGHT_BLOCK), *, dtype=jnp.float8_e4m
         raise ValueError(f"fp8_per_block: the kernel handles 128x128 blocks only, got {tuple(block)}")
     _check_input(w, "fp8_per_block")
     fp8_max(dtype)
-    interpret = C.resolve_interpret(interpret)
-    with C.interpret_context(interpret):
-        return _quantize_blocks(w, out_dtype=jnp.dtype(dtype), pow2=pow2_scale, cfg=config or C.TileConfig(),
+    interpret = resolve_interpret(interpret)
+    with interpret_context(interpret):
+        return _quantize_blocks(w, out_dtype=jnp.dtype(dtype), pow2=pow2_scale, cfg=config or TileConfig(),
                                 interpret=interpret)

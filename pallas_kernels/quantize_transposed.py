@@ -30,7 +30,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_fp8.precision.formats import AMAX_FLOOR, fp8_max
-from pallas_kernels import quantize_common as C
+from pallas_kernels.exact_arith import (
+    abs_for_amax, ceil_pow2_bits, div_mode, divide_by_rows, finite_or_nan, ieee_div, INTERPRET, rdiv, row_broadcast,
+    row_mode,
+)
+from pallas_kernels.tile_schedules import persistent_kernel
+from pallas_kernels.tiling import (
+    interpret_context, resolve_interpret, ROW_PAD, ROWS, swizzle_transforms, TILE, TileConfig,
+)
 from pallas_kernels.kernel_cache import traced_once
 
 F32 = jnp.float32
@@ -41,21 +48,21 @@ INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 def _body(t, x_ref, q_ref, s_ref, *, fmax, out_dtype, pow2, mode):
     del t
-    if mode == C.INTERPRET:
+    if mode == INTERPRET:
         x = x_ref[...].T.astype(F32)
     else:
         # x_ref is the [128 (m), 64 (k)] tile; its transposed view is [64 (k), 128 (m)] with k contiguous,
         # which is WGMMA_TRANSPOSED's vector axis. to_layout(WGMMA) is a register shuffle (16/32-bit types).
         x = plgpu.load(x_ref.T, layout=plgpu.Layout.WGMMA_TRANSPOSED)
-        x = plgpu.layout_cast(x, C.TILE).astype(F32)
-    amax = C.finite_or_nan(jnp.max(C.abs_for_amax(x, mode), axis=1), AMAX_FLOOR)
-    s = C.ieee_div(amax, fmax, layout=C.ROWS, mode=C.row_mode(mode))
+        x = plgpu.layout_cast(x, TILE).astype(F32)
+    amax = finite_or_nan(jnp.max(abs_for_amax(x, mode), axis=1), AMAX_FLOOR)
+    s = ieee_div(amax, fmax, layout=ROWS, mode=row_mode(mode))
     if pow2:
-        s = C.ceil_pow2_bits(s)
-        inv = C.rdiv(1.0, s, layout=C.ROWS, mode=C.row_mode(mode))  # s is 2^e: x * (1/s) == x / s exactly
-        y = x * C.row_broadcast(inv, x.shape)
+        s = ceil_pow2_bits(s)
+        inv = rdiv(1.0, s, layout=ROWS, mode=row_mode(mode))  # s is 2^e: x * (1/s) == x / s exactly
+        y = x * row_broadcast(inv, x.shape)
     else:
-        y = C.divide_by_rows(x, s, mode=mode)
+        y = divide_by_rows(x, s, mode=mode)
     q_ref[...] = jnp.minimum(jnp.maximum(y, -fmax), fmax).astype(out_dtype)
     s_ref[...] = s
 
@@ -65,7 +72,7 @@ def _quantize_transposed(x, *, out_dtype, pow2, cfg, interpret):
     m, k = x.shape
     mb = -(-m // GROUP)
     mp = mb * GROUP
-    m16 = -(-m // C.ROW_PAD) * C.ROW_PAD
+    m16 = -(-m // ROW_PAD) * ROW_PAD
     if m16 != m:  # only for M not a multiple of 16 (the TMA view's row granularity); zeros = contract padding
         x = jnp.pad(x, [(0, m16 - m), (0, 0)])
     kt = k // TILE_K
@@ -82,14 +89,14 @@ def _quantize_transposed(x, *, out_dtype, pow2, cfg, interpret):
         return g.at[pl.ds((t // kt) * k + (t % kt) * TILE_K, TILE_K)]
 
     body = functools.partial(_body, fmax=fp8_max(out_dtype), out_dtype=out_dtype, pow2=pow2,
-                             mode=C.div_mode(interpret, cfg))
-    call = C.persistent_kernel(
+                             mode=div_mode(interpret, cfg))
+    call = persistent_kernel(
         body,
         name="quantize_fp8_transposed_g128",
         out_shapes=[jax.ShapeDtypeStruct((k, mp), out_dtype), jax.ShapeDtypeStruct((mb * k,), F32)],
-        in_tiles=[((GROUP, TILE_K), x.dtype, C.swizzle_transforms(TILE_K, x.dtype), x_view)],
+        in_tiles=[((GROUP, TILE_K), x.dtype, swizzle_transforms(TILE_K, x.dtype), x_view)],
         out_tiles=[
-            ((TILE_K, GROUP), out_dtype, C.swizzle_transforms(GROUP, out_dtype), q_view),
+            ((TILE_K, GROUP), out_dtype, swizzle_transforms(GROUP, out_dtype), q_view),
             ((TILE_K,), F32, (), s_view),
         ],
         ntiles=ntiles,
@@ -109,7 +116,7 @@ def supports(x) -> bool:
 
 @traced_once("group_size", "dtype", "pow2_scale", "interpret", "config")
 def fp8_transposed_per_token_group(x, group_size: int = GROUP, *, dtype=jnp.float8_e4m3fn, pow2_scale: bool = False,
-                                   interpret: bool = False, config: C.TileConfig | None = None):
+                                   interpret: bool = False, config: TileConfig | None = None):
     """quantize_fp8_per_token_group(pad_rows(x, 128).T, 128) without the transposed copy (see module doc).
 
     x [M, K] bfloat16 / float16 / float32, K a multiple of 64. Returns (q [K, Mp] dtype, scale [K, Mp/128] f32).
@@ -125,9 +132,9 @@ def fp8_transposed_per_token_group(x, group_size: int = GROUP, *, dtype=jnp.floa
     if not supports(x):
         raise ValueError(f"fp8_transposed_per_token_group: x {x.shape} needs M >= 1 and K a multiple of {TILE_K}")
     fp8_max(dtype)  # validates dtype
-    interpret = C.resolve_interpret(interpret)
-    with C.interpret_context(interpret):
-        return _quantize_transposed(x, out_dtype=jnp.dtype(dtype), pow2=pow2_scale, cfg=config or C.TileConfig(),
+    interpret = resolve_interpret(interpret)
+    with interpret_context(interpret):
+        return _quantize_transposed(x, out_dtype=jnp.dtype(dtype), pow2=pow2_scale, cfg=config or TileConfig(),
                                     interpret=interpret)
 
 

@@ -44,7 +44,7 @@ def test_run_checks_bits_times_in_rounds_and_records_failures(bench, monkeypatch
          [T(), T(stages=3)]),
         ("fp8_per_token_group", (32, 128), jnp.float32, _wrong_scale, jax.jit(P.quantize_fp8_per_token_group), [T()]),
         ("nvfp4", (128, 64), jnp.float32, nv, jax.jit(lambda x: P.quantize_nvfp4(x, global_amax=4.0)),
-         [(T(rows=128), "v6"), (T(rows=128), "no-such-version")]),
+         [(T(rows=128), "v12"), (T(rows=128), "no-such-version")]),
     ]
     monkeypatch.setattr(bench, "cases", lambda quick, kernels: cases)
     monkeypatch.setattr(bench, "copy_anchor", lambda torch_anchor=True: {"xla_copy": {"GBps": 1.0}})

@@ -1,12 +1,14 @@
 """Block-scaled FP8 GEMM benchmark on one Hopper GPU: our Pallas kernels against XLA/cuBLAS and Pallas anchors.
 
 Everything in one run: XLA BF16 dot, XLA unscaled FP8 dot (NT), our dense kernel (tile variants); lax.ragged_dot
-BF16, jax's ragged_dot_mgpu BF16 example, our grouped FP8 and BF16 kernels on Qwen3-30B-A3B MoE shapes; fwd+bwd of an FP8
-linear vs BF16; a device-to-device copy for the bandwidth ceiling. Correctness of every kernel timing is
+BF16, jax's ragged_dot_mgpu BF16 example, our grouped FP8 and BF16 kernels on Qwen3-30B-A3B MoE shapes, the MoE weight
+gradients (our persistent FP8 kernel's configs, its gather predecessor, jax's transposed_ragged_dot_mgpu); fwd+bwd of an
+FP8 linear vs BF16; torch's block-wise FP8 `scaled_mm` and grouped GEMMs as anchors (torch_anchors.py, a child
+process); a device-to-device copy for the bandwidth ceiling. Correctness of every kernel timing is
 checked against a float64 block-math reference on a slice of rows. Prints a table, writes JSON.
 
     PYTHONPATH=src:. python3 experiments/benchmarks/gemm.py --out results/gemm_h200.json [--quick]
-        [--suites dense,moe,linear] [--baseline path/to/previous/gemm_dense.py]
+        [--suites dense,moe,linear,wgrad,torch] [--baseline path/to/previous/gemm_dense.py]
 
 `--baseline` times a previous version of the dense kernel module (same API) in the same run, so a change's
 effect is measured against the same machine state.
@@ -110,12 +112,8 @@ def dense_suite(m, n, k, configs, label, baseline=None):
 
 
 def moe_suite(configs, quick):
-    e, rows_per_e, hidden, inter = 128, 1024, 2048, 768
-    m = e * rows_per_e
-    # 16384 tokens x top-8 = 131072 routed rows; uneven but realistic routing: multinomial sizes
-    rng = np.random.default_rng(0)
-    sizes = jnp.asarray(rng.multinomial(m, np.ones(e) / e), jnp.int32)
-    for name, n, k in [("gate_up", 2 * inter, hidden), ("down", hidden, inter)]:
+    e, m, sizes, shapes = moe_shapes()
+    for name, n, k in shapes:
         flops = 2 * m * n * k
         x16, w16 = rand(3, (m, k), jnp.bfloat16), rand(4, (e, n, k), jnp.bfloat16, 0.05)
         if not quick:
@@ -140,7 +138,7 @@ def moe_suite(configs, quick):
                 f = jax.jit(functools.partial(GB.grouped_matmul, out_dtype=jnp.bfloat16, config=bcfg))
                 record(f"ours_grouped_bf16 {name}", (m, n, k, e), flops, bench(f, x16, w16, sizes), config=str(bcfg))
             try_run(f"ours_grouped_bf16 {name} {bcfg}", ours_bf16)
-        wgrad_suite(name, m, n, k, e, sizes)
+        wgrad_suite(name, m, n, k, e, sizes, WGRAD_CONFIGS[:1] if quick else WGRAD_CONFIGS[:2])
         xq, sa = quantize_fp8_per_token_group(x16, 128)
         wq, sb = quantize_fp8_per_block(w16, (128, 128))
         for cfg in configs:
@@ -153,8 +151,14 @@ def moe_suite(configs, quick):
             try_run(f"ours_grouped {name} {cfg}", one)
 
 
-def wgrad_suite(name, m, n, k, e, sizes):
-    """MoE weight gradient dw[g] = dy[rows]^T x[rows] ([E, N, K]): our FP8 and BF16 kernels vs transposed_ragged_dot_mgpu."""
+WGRAD_CONFIGS = None  # filled in main(): the persistent kernel's candidate tilings, default first
+
+
+def wgrad_suite(name, m, n, k, e, sizes, configs=None, bf16=True):
+    """MoE weight gradient dw[g] = dy[rows]^T x[rows] ([E, N, K]): our persistent FP8 kernel (candidate configs), its
+    gather predecessor, our BF16 kernel, vs transposed_ragged_dot_mgpu. Each persistent config is checked bitwise
+    against the gather kernel on the timed inputs and against the float64 block math on one expert that shares
+    both its end blocks."""
     from pallas_kernels import gemm_grouped_wgrad as GW
 
     flops = 2 * m * n * k
@@ -166,17 +170,109 @@ def wgrad_suite(name, m, n, k, e, sizes):
         record(f"transposed_ragged_dot_mgpu_bf16 wgrad {name}", (m, n, k, e), flops, bench(lambda a, b, g: f(a, b, group_sizes=g), dy16, x16, sizes))
     try_run(f"transposed_ragged_dot_mgpu {name}", mgpu)
 
-    def ours_bf16():
-        f = jax.jit(functools.partial(GW.grouped_wgrad_bf16, num_groups=e))
-        record(f"ours_grouped_wgrad_bf16 {name}", (m, n, k, e), flops, bench(f, dy16, x16, sizes))
-    try_run(f"ours_grouped_wgrad_bf16 {name}", ours_bf16)
+    if bf16:
+        def ours_bf16():
+            f = jax.jit(functools.partial(GW.grouped_wgrad_bf16, num_groups=e))
+            record(f"ours_grouped_wgrad_bf16 {name}", (m, n, k, e), flops, bench(f, dy16, x16, sizes))
+        try_run(f"ours_grouped_wgrad_bf16 {name}", ours_bf16)
 
-    def ours_fp8():
-        dq, ds = quantize_fp8_per_token_group(dy16.T, 128)
-        xq, xs = quantize_fp8_per_token_group(x16.T, 128)
-        f = jax.jit(functools.partial(GW.grouped_wgrad_fp8, num_groups=e))
-        record(f"ours_grouped_wgrad_fp8 {name}", (m, n, k, e), flops, bench(f, dq, ds, xq, xs, sizes))
-    try_run(f"ours_grouped_wgrad_fp8 {name}", ours_fp8)
+    dq, ds = quantize_fp8_per_token_group(dy16.T, 128)
+    xq, xs = quantize_fp8_per_token_group(x16.T, 128)
+    gather = {}
+
+    def ours_gather():
+        f = jax.jit(functools.partial(GW.grouped_wgrad_fp8_gather, num_groups=e))
+        gather["out"] = f(dq, ds, xq, xs, sizes)
+        record(f"ours_grouped_wgrad_fp8_gather {name}", (m, n, k, e), flops, bench(f, dq, ds, xq, xs, sizes))
+    try_run(f"ours_grouped_wgrad_fp8_gather {name}", ours_gather)
+
+    # float64 reference of expert 1 (rows start..end: shares its first and last 128-row block with experts 0 and 2)
+    host_sizes = np.asarray(sizes)
+    start, end = int(host_sizes[0]), int(host_sizes[0] + host_sizes[1])
+    def deq(q, sc):
+        v = np.asarray(q[:, start:end].astype(jnp.float32), np.float64)
+        cols = np.arange(start, end) // 128
+        return v * np.asarray(sc, np.float64)[:, cols]
+    ref1 = deq(dq, ds) @ deq(xq, xs).T  # [N, K]
+
+    for cfg in configs or [GW.DEFAULT_WGRAD_CONFIG]:
+        def one(cfg=cfg):
+            f = jax.jit(functools.partial(GW.grouped_wgrad_fp8, num_groups=e, config=cfg))
+            y = f(dq, ds, xq, xs, sizes)
+            same = bool(jnp.all(jax.lax.bitcast_convert_type(y, jnp.uint32) ==
+                                jax.lax.bitcast_convert_type(gather["out"], jnp.uint32))) if "out" in gather else None
+            err = R.rel_err(np.asarray(y[1]), ref1)
+            record(f"ours_grouped_wgrad_fp8 {name} {cfg}", (m, n, k, e), flops, bench(f, dq, ds, xq, xs, sizes),
+                   err=f"relerr(expert 1 vs float64)={err:.2e}", config=str(cfg), bitwise_vs_gather_kernel=same)
+        try_run(f"ours_grouped_wgrad_fp8 {name} {cfg}", one)
+    gather.clear()
+
+
+def moe_shapes():
+    e, rows_per_e, hidden, inter = 128, 1024, 2048, 768
+    m = e * rows_per_e
+    # 16384 tokens x top-8 = 131072 routed rows; uneven but realistic routing: multinomial sizes (torch_anchors.py: same)
+    rng = np.random.default_rng(0)
+    sizes = jnp.asarray(rng.multinomial(m, np.ones(e) / e), jnp.int32)
+    return e, m, sizes, [("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
+
+
+def wgrad_only_suite():
+    e, m, sizes, shapes = moe_shapes()
+    for name, n, k in shapes:
+        wgrad_suite(name, m, n, k, e, sizes, WGRAD_CONFIGS, bf16=False)
+
+
+DENSE_ANCHOR_SHAPES = [(8192, 8192, 8192, "8192^3"), (16384, 5120, 2048, "attn_qkv M16384"), (16384, 2048, 4096, "attn_o M16384")]
+
+
+def torch_suite(ours=True, timeout=300):
+    """torch's block-wise FP8 GEMM (cuBLAS, 1x128 / 128x128) at 8192^3 and the attention projections, torch's grouped
+    GEMMs (BF16, FP8 row-wise; forward and k-grouped wgrad) on the MoE shapes: torch_anchors.py in a child process
+    (no JAX there; a missing torch or API is recorded, not fatal). With `ours`, our default dense and grouped
+    kernels are timed at the same shapes in this process first, so the anchors sit next to same-run numbers."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    if ours:
+        for m, n, k, label in DENSE_ANCHOR_SHAPES:
+            a16, b16 = rand(1, (m, k), jnp.bfloat16), rand(2, (n, k), jnp.bfloat16, 0.05)
+            xq, sa = quantize_fp8_per_token_group(a16, 128)
+            wq, sb = quantize_fp8_per_block(b16, (128, 128))
+            f = jax.jit(functools.partial(gemm_dense.block_scaled_matmul, out_dtype=jnp.bfloat16))
+            try_run(f"ours_dense (next to torch) {label}", lambda: record(f"ours_dense_default (next to torch) {label}", (m, n, k),
+                    2 * m * n * k, bench(f, xq, sa, wq, sb)))
+            del a16, b16, xq, wq
+        e, m, sizes, shapes = moe_shapes()
+        for name, n, k in shapes:
+            x16, w16 = rand(3, (m, k), jnp.bfloat16), rand(4, (e, n, k), jnp.bfloat16, 0.05)
+            xq, sa = quantize_fp8_per_token_group(x16, 128)
+            wq, sb = quantize_fp8_per_block(w16, (128, 128))
+            f = jax.jit(functools.partial(gemm_grouped.grouped_block_scaled_matmul, out_dtype=jnp.bfloat16))
+            try_run(f"ours_grouped (next to torch) {name}", lambda: record(f"ours_grouped_default (next to torch) {name}",
+                    (m, n, k, e), 2 * m * n * k, bench(f, xq, sa, wq, sb, sizes)))
+            del x16, w16, xq, wq
+    here = os.path.dirname(os.path.abspath(__file__))
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    dense = ";".join(f"{m},{n},{k}" for m, n, k, _ in DENSE_ANCHOR_SHAPES)
+    cmd = [sys.executable, os.path.join(here, "torch_anchors.py"), "--out", path, "--dense", dense,
+           "--moe", "128,1024,1536,2048;128,1024,2048,768"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        print(proc.stdout[-6000:], proc.stderr[-2000:] if proc.returncode else "", flush=True)
+        with open(path) as fh:
+            got = json.load(fh)
+        for row in got.get("results", []):
+            RESULTS.append(dict(row, source="torch_anchors.py"))
+        RESULTS.append(dict(name="torch_anchors meta", **got.get("meta", {}), returncode=proc.returncode))
+    except Exception as ex:  # timeout, crash before the JSON, no torch at all
+        RESULTS.append(dict(name="torch_anchors", error=f"{type(ex).__name__}: {str(ex)[:400]}"))
+        print("torch anchors: FAILED", ex, flush=True)
+    finally:
+        os.unlink(path)
 
 
 def linear_fwd_bwd_suite(m, n, k, label):
@@ -203,10 +299,16 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer variants (first device call)")
-    p.add_argument("--suites", default="dense,moe,linear", help="comma-separated subset of dense,moe,linear")
+    p.add_argument("--suites", default="dense,moe,linear,torch",
+                   help="comma-separated subset of dense,moe,linear,wgrad,torch (wgrad: the MoE weight gradients alone; "
+                        "torch: torch_anchors.py next to our default kernels at the same shapes)")
     p.add_argument("--baseline", default=None, help="path of a previous gemm_dense.py to time in the same run")
     args = p.parse_args(argv)
     suites = set(args.suites.split(","))
+    global WGRAD_CONFIGS
+    from pallas_kernels.gemm_grouped_wgrad import WgradConfig
+    WGRAD_CONFIGS = [WgradConfig(), WgradConfig(blocks_per_step=2), WgradConfig(stages=3, blocks_per_step=2),
+                     WgradConfig(k_fastest=False)]
     baseline = load_module(args.baseline) if args.baseline else None
     C = gemm_dense.GemmConfig
     default = gemm_dense.default_config(8192, 8192)
@@ -232,6 +334,12 @@ def main(argv=None):
         save()
     if "moe" in suites:
         moe_suite([gemm_grouped.DEFAULT_CONFIG, dense_cfgs[0]], args.quick)  # the grouped default first
+        save()
+    if "wgrad" in suites and "moe" not in suites:
+        wgrad_only_suite()
+        save()
+    if "torch" in suites:
+        torch_suite()
         save()
     if "linear" in suites:
         linear_fwd_bwd_suite(8192, 8192, 8192, "8192^3")

@@ -7,7 +7,7 @@ For each tiling (TileConfig) on the 256 MiB bfloat16 input of the benchmark (and
     default config's output (which `quantize.py` checks against the contract);
   - `pipeline`: the same persistent kernel (same tiles, TMA loads and stores, schedule, SMEM) whose body only moves
     each row's bytes (the row's registers XORed into its 8 packed bytes and its scale byte): no quantization math.
-    It always loads [rows, 16] tiles (v12's 32-byte rows for bfloat16), also on the rows of a v14 / v15 config;
+    It always loads [rows, 16] tiles (v12's 32-byte rows for bfloat16), also on the rows of a v14 config;
   - `elementwise`: XLA's x * 2 moving the same bytes per call (the device-time anchor of quantize.py).
 If `pipeline` is far below `elementwise`, the tiling (not the math) is what a faster kernel must change; if
 `kernel` is far below `pipeline`, the per-value instructions are. GPU time only: wall clock is quantize.py's job.
@@ -35,7 +35,9 @@ import quantize as QB  # noqa: E402  (the benchmark's input, device_time and bit
 import timing  # noqa: E402
 
 from pallas_kernels import quantize as Q  # noqa: E402
-from pallas_kernels import quantize_common as C  # noqa: E402
+from pallas_kernels.scalar_ops import MlirOps  # noqa: E402
+from pallas_kernels.tile_schedules import persistent_kernel  # noqa: E402
+from pallas_kernels.tiling import row_layout, swizzle_transforms, tile_rows, TileConfig  # noqa: E402
 from pallas_kernels import quantize_nvfp4 as N  # noqa: E402
 
 BLOCK = 16
@@ -47,13 +49,13 @@ def _pipeline_body(t, x_ref, *out_refs, in_dtype, outputs):
     del t
     if not outputs:
         return
-    layout = C.row_layout(BLOCK, in_dtype)
+    layout = row_layout(BLOCK, in_dtype)
     refs = dict(zip(outputs, out_refs))
 
     @plgpu.inline_mgpu(arg_types=(layout,) + (plgpu.RefType(),) * len(outputs), return_type=None)
     def body(ctx, x, *out):
         del ctx
-        o = C.MlirOps()
+        o = MlirOps()
         index = ir.IndexType.get()
         regs = x.registers
         named = dict(zip(outputs, out))
@@ -78,18 +80,18 @@ def _pipeline_body(t, x_ref, *out_refs, in_dtype, outputs):
     body(plgpu.load(x_ref, layout=layout), *(refs[k] for k in outputs))
 
 
-def pipeline_only(x, cfg: C.TileConfig, outputs=("packed", "bs")):
+def pipeline_only(x, cfg: TileConfig, outputs=("packed", "bs")):
     """The NVFP4 kernel's persistent pipeline with a data-moving body (not a quantizer: its bytes mean nothing).
     outputs: which of the kernel's two streamed outputs the probe keeps (fewer: what the others cost)."""
     r = math.prod(x.shape) // BLOCK
-    tr = C.tile_rows(cfg, BLOCK)
+    tr = tile_rows(cfg, BLOCK)
     half = BLOCK // 2
     shapes = {"packed": (r * half, tr * half), "bs": (r, tr)}
-    call = C.persistent_kernel(
+    call = persistent_kernel(
         functools.partial(_pipeline_body, in_dtype=jnp.dtype(x.dtype), outputs=tuple(outputs)),
         name="nvfp4_pipeline_only",
         out_shapes=[jax.ShapeDtypeStruct((shapes[k][0],), jnp.uint8) for k in outputs],
-        in_tiles=[((tr, BLOCK), x.dtype, C.swizzle_transforms(BLOCK, x.dtype), lambda gm, t: gm.at[pl_ds(t * tr, tr)])],
+        in_tiles=[((tr, BLOCK), x.dtype, swizzle_transforms(BLOCK, x.dtype), lambda gm, t: gm.at[pl_ds(t * tr, tr)])],
         out_tiles=[((shapes[k][1],), jnp.uint8, (), lambda gm, t, n=shapes[k][1]: gm.at[pl_ds(t * n, n)])
                    for k in outputs],
         ntiles=-(-r // tr), cfg=cfg, interpret=False,
@@ -109,12 +111,12 @@ def pl_ds(start, size):
 
 
 def configs(dtype):
-    T, dyn = C.TileConfig, (lambda **k: C.TileConfig(schedule="dynamic", **k))
+    T, dyn = TileConfig, (lambda **k: TileConfig(schedule="dynamic", **k))
     base = [(N.default_tiles(dtype), "v12")]
     if dtype == jnp.float32:
         return base + [(T(rows=768, ctas_per_sm=3), "v14"), (dyn(rows=1024, stages=3, ctas_per_sm=1), "v14")]
     return base + [
-        (dyn(rows=1024), "v14"), (dyn(rows=1024), "v15"), (T(rows=1024), "v14"),
+        (dyn(rows=1024), "v14"), (T(rows=1024), "v14"),
         (dyn(rows=1024, stages=3, ctas_per_sm=1), "v14"), (dyn(rows=512, ctas_per_sm=3), "v14"),
         (dyn(rows=512, ctas_per_sm=4), "v14"), (dyn(rows=1024, stages=3, ctas_per_sm=1), "v12"),
     ]

@@ -1,7 +1,7 @@
 """Runs one quantization kernel call twice (compile, then the call to profile), for Nsight Compute.
 
     ncu --kernel-name regex:quantize_nvfp4 --launch-skip 1 --launch-count 1 --section WarpStateStats ... \\
-        python3 experiments/benchmarks/profile_one.py --impl v6 --ctas-per-sm 3 [--schedule dynamic]
+        python3 experiments/benchmarks/profile_one.py --impl v12 --ctas-per-sm 3 [--schedule dynamic]
 
 The input is the NVFP4 benchmark's 256 MiB case (`quantize.random_input`: normals with one power of two per row, a
 given global amax of 4.0), so a profile reads against quantize.py's timings. Options not given keep the kernel's

@@ -4,7 +4,7 @@
         [--kernels mxfp8,nvfp4] [--no-anchor-torch]
 
 With --kernels limited to nvfp4 and/or mxfp8 (e.g. `--kernels nvfp4,mxfp8 --no-anchor-torch --out /tmp/x.json`)
-only the 256 MiB cases run: MXFP8 as impl v1 and v2, NVFP4 as the versions and tilings of `nvfp4_sweep` (the default
+only the 256 MiB cases run: MXFP8 as impl v1 and v2, NVFP4 as the two versions and the tilings of `nvfp4_sweep` (the default
 first), so old and new are timed side by side against the same-run copy anchor (about 2 minutes).
 
 For each kernel and shape: median time per call, bytes moved (each input read once, each output written
@@ -143,21 +143,19 @@ KERNELS = ("fp8_per_token_group", "mxfp8", "fp8_per_block", "nvfp4")
 
 def nvfp4_sweep(dtype) -> list:
     """(TileConfig, impl) pairs timed for NVFP4 on a 256 MiB input of `dtype`: the default (v14) first, then the
-    default before it (v12, same tiles), the other wide version (v15), other tilings of v14, and the default of
-    session 19 (v6 / v7).
+    fallback v12 on the same tiles, then other tilings of v14.
 
     Why v14: the NVFP4 kernel's pipeline with no quantization math at all (experiments/benchmarks/nvfp4_floor.py) ran
     bfloat16 [rows, 16] tiles at 81 % of an equal-bytes elementwise kernel's GPU time, and loading them alone at 76 %,
     while the same bytes as 64-byte float32 rows ran at 97 %: 32-byte tile rows were the limit, not the math. v14 loads
-    128-byte rows of several blocks (versions: quantize_nvfp4.IMPLS; measurements: docs/decisions/0006).
+    128-byte rows of several blocks (quantize_nvfp4's docstring; measurements: docs/decisions/0006).
     """
     T = Q.TileConfig
     dyn = functools.partial(T, schedule="dynamic")
-    if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, default_tiles), then the ones before
+    if dtype == jnp.bfloat16:  # first: the default (quantize_nvfp4.default_impl, default_tiles)
         return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (dyn(rows=1024), "v12"), (T(rows=1024), "v14"),
-                (dyn(rows=1024), "v15"), (dyn(rows=512, ctas_per_sm=3), "v14"), (T(rows=768, ctas_per_sm=3), "v6")]
-    return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v12"),
-            (T(rows=768, ctas_per_sm=3), "v15"), (dyn(rows=1024), "v14"), (T(rows=768, ctas_per_sm=3), "v7")]
+                (dyn(rows=512, ctas_per_sm=3), "v14")]
+    return [(N.default_tiles(dtype), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v12"), (dyn(rows=1024), "v14")]
 
 
 def ab_cases(kernels):
@@ -175,7 +173,7 @@ def ab_cases(kernels):
         ("mxfp8", (32768, 4096), bf16, *mx, both + [(T(stages=4), "v2"), (T(ctas_per_sm=4), "v2")]),
         # 1 GiB: per-call costs (launch, first and last tiles, host dispatch) weigh a quarter as much
         ("nvfp4", (131072, 4096), bf16, *nv, [(N.default_tiles(bf16), N.DEFAULT_IMPL),
-                                              (T(rows=1024, schedule="dynamic"), "v12"), (T(rows=768, ctas_per_sm=3), "v6")]),
+                                              (T(rows=1024, schedule="dynamic"), "v12")]),
         ("nvfp4", (16384, 16384), f32, *nv, [(N.default_tiles(f32), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v12")]),
     ]
     return [c for c in out if c[0] in kernels]
@@ -199,10 +197,9 @@ def cases(quick: bool, kernels=KERNELS):
     mx = (lambda x, cfg: Q.mxfp8(x, config=cfg), jax.jit(P.quantize_mxfp8))
     blk = (lambda x, cfg: Q.fp8_per_block(x, config=cfg), jax.jit(P.quantize_fp8_per_block))
     g = 4.0  # a given global amax (the kernel path the rollout uses)
-    # (TileConfig, impl) pairs: impl v2 .. v8 divide with Markstein only, so the division variants time v1
+    # (TileConfig, impl) pairs; the NVFP4 kernel divides with Markstein sequences only
     nv = (lambda x, ci: Q.nvfp4(x, global_amax=g, config=ci[0], impl=ci[1]),
           jax.jit(lambda x: P.quantize_nvfp4(x, global_amax=g)))
-    nv_div = [(T(division="div_rn"), "v1"), (T(division="divf"), "v1")]
     out = [  # first the case nearest the 80 % line (a run cut short by its time limit keeps it)
         ("fp8_per_block", (8192, 8192), f32, *blk,  # 64 KiB float32 blocks: 2 stages fit one CTA per SM, 1 stage two
          blk_cfgs[:3] + [dyn_nobar, T(stages=1), T(stages=1, auto_barriers=False)]),
@@ -215,9 +212,9 @@ def cases(quick: bool, kernels=KERNELS):
         ("mxfp8", (4096, 4096), bf16, *mx, mx_cfgs[:1]),
         ("fp8_per_block", (64, 1536, 2048), bf16, *blk, blk_cfgs),
         ("fp8_per_block", (4096, 4096), bf16, *blk, blk_cfgs[:1]),
-        ("nvfp4", (32768, 4096), bf16, *nv, nvfp4_sweep(bf16) + nv_div),
+        ("nvfp4", (32768, 4096), bf16, *nv, nvfp4_sweep(bf16)),
         ("nvfp4", (8192, 8192), f32, *nv, nvfp4_sweep(f32)),
-        ("nvfp4", (4096, 4096), bf16, *nv, [(N.default_tiles(bf16), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v6")]),
+        ("nvfp4", (4096, 4096), bf16, *nv, [(N.default_tiles(bf16), N.DEFAULT_IMPL), (T(rows=768, ctas_per_sm=3), "v12")]),
     ]
     out = [c for c in out if c[0] in kernels]
     if quick:

@@ -36,22 +36,10 @@ VARIANTS = {
     "grouped": "block-scaled FP8 grouped (MoE) GEMM, default config for K=2048",
     "fp8_token_group": "FP8 per-token-group (1x128) activation quantizer, bf16 in",
     "mxfp8": "MXFP8 quantizer (v2), bf16 in",
-    "nvfp4": "NVFP4 quantizer (v2), bf16 in, given global amax",
-    "nvfp4_f32": "NVFP4 quantizer (v2), float32 in, given global amax",
-    "nvfp4_v3": "NVFP4 quantizer (v3: branch-free per-row divisions), bf16 in, given global amax",
-    "nvfp4_v4": "NVFP4 quantizer (v4: one Markstein correction per division, E2M1 word formula), bf16 in, given global amax",
-    "nvfp4_v4_f32": "NVFP4 quantizer (v4), float32 in, given global amax",
-    "nvfp4_v5": "NVFP4 quantizer (v5: v4 with a branch-free per-row reciprocal), bf16 in, given global amax",
-    "nvfp4_v6": "NVFP4 quantizer (v6: v5 with tree sums, sign words and two rows' chains at a time), bf16 in, given global amax",
-    "nvfp4_v6_f32": "NVFP4 quantizer (v6), float32 in, given global amax",
-    "nvfp4_v7": "NVFP4 quantizer (v7: v6 with the E2M1 magnitude on the FMA pipe), bf16 in, given global amax",
-    "nvfp4_v7_f32": "NVFP4 quantizer (v7), float32 in, given global amax",
-    "nvfp4_v8": "NVFP4 quantizer (v8: v7 one 128-row slab per loop step), bf16 in, given global amax",
-    "nvfp4_v8_f32": "NVFP4 quantizer (v8), float32 in, given global amax",
-    "nvfp4_v10": "NVFP4 quantizer (v10: v6 with g and RN(1/g) once per CTA), bf16 in, given global amax",
-    "nvfp4_v11_f32": "NVFP4 quantizer (v11: v7 with g and RN(1/g) once per CTA), float32 in, given global amax",
-    "nvfp4_v12": "NVFP4 quantizer (v12: v10 with a per-CTA table of divisors and reciprocals), bf16 in, given global amax",
-    "nvfp4_v13_f32": "NVFP4 quantizer (v13: v11 with the table), float32 in, given global amax",
+    "nvfp4": "NVFP4 quantizer (v14, the default: 128-byte tile rows), bf16 in, given global amax",
+    "nvfp4_f32": "NVFP4 quantizer (v14), float32 in, given global amax",
+    "nvfp4_v12": "NVFP4 quantizer (v12, the fallback: one block per tile row), bf16 in, given global amax",
+    "nvfp4_v12_f32": "NVFP4 quantizer (v12), float32 in, given global amax",
 }
 
 SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
@@ -83,7 +71,7 @@ def _child(variant: str) -> None:
         y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, jnp.asarray([300, 0, 500, 224], jnp.int32))
     else:
         dtype = jnp.float32 if variant.endswith("f32") else jnp.bfloat16
-        impl = next((v for v in ("v10", "v11", "v12", "v13", "v3", "v4", "v5", "v6", "v7", "v8") if f"_{v}" in variant), "v2")
+        impl = "v12" if "_v12" in variant else "v14"
         x = jax.random.normal(key, (4096, 4096), jnp.float32).astype(dtype)
         if variant == "fp8_token_group":
             y = quantize.fp8_per_token_group(x, 128)

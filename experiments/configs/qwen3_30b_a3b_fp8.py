@@ -1,4 +1,4 @@
-"""Unified block-wise FP8 (DeepSeek-style 128x128) for Qwen3-30B-A3B, with TIS and R3: the seed's Hopper recipe.
+"""Unified block-wise FP8 (DeepSeek-style 128x128) for Qwen3-30B-A3B, with TIS and R3: Miles' Hopper recipe.
 
 Point model.checkpoint at an HF Qwen3-30B-A3B directory (BF16 or the block-FP8 release) and data.path at a
 JSONL math dataset ({"prompt": ..., "label": ...}).

@@ -1,4 +1,4 @@
-"""BF16 training with FP8 rollout (the seed's lowest-friction mode): quantization mismatch is real here and is
+"""BF16 training with FP8 rollout (the lowest-friction mode: SGLang serves FP8 weights, the trainer keeps BF16): quantization mismatch is real here and is
 what train_rollout_logprob_abs_diff / train_rollout_kl measure; TIS corrects for it."""
 
 from jaxrl_fp8.config import math_rl_config

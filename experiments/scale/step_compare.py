@@ -6,9 +6,10 @@ the same axis) against 1 GPU: loss, step time and memory per GPU -> JSON.
 
 Each layout runs in its own subprocess (so per-device peak memory is that layout's alone), on the same
 initial parameters and the same minibatch; the parent merges the two into
-experiments/benchmarks/results/scale_step_compare[_tiny].json. The step is the RL trainer's `_update`
-(PPO-clip x TIS loss, grads in the recipe's backward mode, AdamW on FP32 masters) jitted by
-`ShardingPlan.jit_train_step` with explicit shardings; the MoE layers go through `sharding.expert_parallel_moe`.
+experiments/benchmarks/results/scale_step_compare[_tiny].json. The step is the RL trainer's own sharded update
+(`Trainer(plan=...)`, `compiled_update`: PPO-clip x TIS loss, grads in the recipe's backward mode, AdamW on FP32
+masters, jitted by `ShardingPlan.jit_train_step` with explicit shardings); on more than one device the MoE layers
+go through `sharding.expert_parallel_moe`, on one device through the model's single-device dispatch.
 """
 
 from __future__ import annotations
@@ -53,12 +54,11 @@ def child(args) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import nnx
 
     from jaxrl_fp8 import sharding as S
     from jaxrl_fp8.config import base_config
-    from jaxrl_fp8.model import Qwen3, qwen3, tiny_config
+    from jaxrl_fp8.model import Qwen3, tiny_config
     from jaxrl_fp8.precision import PrecisionPolicy, get_recipe
     from jaxrl_fp8.rl.losses import PolicyLossConfig
     from jaxrl_fp8.rl.trainer import Trainer, TrainerSettings, make_optimizer
@@ -82,47 +82,26 @@ def child(args) -> dict:
     # masters initialized on the host's CPU so both layouts start from the same values, then placed on the mesh
     with jax.default_device(jax.devices("cpu")[0] if jax.default_backend() != "cpu" else devices[0]):
         model = Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    moe_impl = S.make_moe_impl(plan.mesh)
-    native = "moe_impl" in qwen3.Qwen3.__call__.__code__.co_varnames
-
-    class Step(Trainer):
-        def compute_params(self, params):
-            return plan.constrain_compute(super().compute_params(params))
-
-        def _forward_logprobs(self, params, tokens, routed):
-            if native:  # the model takes the expert-parallel MoE directly
-                m = nnx.merge(self.graphdef, self.compute_params(params))
-                out = m(tokens, routed_experts=routed, policy=self.train_policy, backward=self.s.backward, moe_impl=moe_impl)
-                from jaxrl_fp8.rl.trainer import token_logprobs
-
-                logits = out.logits[:, :-1]
-                return token_logprobs(logits, tokens[:, 1:], self.s.temperature), logits
-            sys.path.insert(0, os.path.join(ROOT, "tests", "sharding"))
-            from wiring import moe_impl as patched  # stand-in until the model takes moe_impl (see 0009-sharding.md)
-
-            with patched(moe_impl):
-                return super()._forward_logprobs(params, tokens, routed)
-
-    tr = Step(model=model, settings=settings, optimizer=opt, schedule=schedule, engine=None, tokenizer=None, loader=None,
-              reward_fn=None, train_policy=policy, push_weights=lambda *a: None)
+    tr = Trainer(model=model, settings=settings, optimizer=opt, schedule=schedule, engine=None, tokenizer=None, loader=None,
+                 reward_fn=None, train_policy=policy, push_weights=lambda *a: None, plan=plan)
     checked = plan.validate(tr.params, policy)
-    params, opt_state = plan.shard(tr.params), plan.shard(tr.opt_state)
-    del model, tr.params, tr.opt_state
+    del model
     rng = np.random.default_rng(0)
     mb = dict(tokens=rng.integers(0, cfg.vocab_size, (args.rows, seq)).astype(np.int32),
               old_logp=(-3 * rng.random((args.rows, seq - 1))).astype(np.float32),
               rollout_logp=(-3 * rng.random((args.rows, seq - 1))).astype(np.float32),
               mask=np.ones((args.rows, seq - 1), np.float32), advantages=rng.normal(size=(args.rows,)).astype(np.float32))
-    batch = plan.put_batch(mb)
-    nt = jax.device_put(jnp.float32(mb["mask"].sum()), plan.replicated())
+    nt = float(mb["mask"].sum())
     t0 = time.perf_counter()
-    compiled = plan.jit_train_step(tr._update, params, opt_state, batch).lower(params, opt_state, batch, nt).compile()
+    compiled = tr.compiled_update(mb, nt)  # the trainer's sharded step (what Trainer.apply_update runs)
     compile_s = time.perf_counter() - t0
-    state_bytes = S.per_device_bytes((params, opt_state))
+    batch = plan.put_batch(mb)  # placed once: the timed loop measures the step, not the host-to-device copy
+    nt = jax.device_put(jnp.float32(nt), plan.replicated())
+    state_bytes = S.per_device_bytes((tr.params, tr.opt_state))
     losses, times = [], []
     for i in range(args.steps + 1):
         t = time.perf_counter()
-        params, opt_state, met = compiled(params, opt_state, batch, nt)
+        tr.params, tr.opt_state, met = compiled(tr.params, tr.opt_state, batch, nt)
         loss = float(met["loss"])  # blocks until the step is done
         times.append(time.perf_counter() - t)
         losses.append(loss)
@@ -132,7 +111,7 @@ def child(args) -> dict:
         stats = d.memory_stats() or {}
         peaks[str(d.id)] = stats.get("peak_bytes_in_use")
     hlo = compiled.as_text()
-    n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
+    n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(tr.params))
     return dict(
         layout=args.only, mesh=plan.sizes, devices=[str(d) for d in devices], platform=jax.default_backend(),
         model=dataclasses.asdict(cfg), parameters=n_params, recipe=args.recipe, rows=args.rows, seq=seq,

@@ -1,4 +1,4 @@
-"""Every output tensor's name / dtype / shape as SGLang loads it (REFERENCE.md), configs, error bounds, zero blocks.
+"""Every output tensor's name / dtype / shape as SGLang loads it (`converters/spec.py`), configs, error bounds, zero blocks.
 
 Dequantization here is written independently in numpy (not with the contract) so the bounds test the files.
 """

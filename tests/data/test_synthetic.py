@@ -59,7 +59,7 @@ def test_large_space_is_sampled():
 def test_random_policy_formula_matches_monte_carlo(name, max_new_tokens):
     task, tok = make_task(name), builtin_tokenizer()
     exact = random_policy_expected_reward(task, tok, max_new_tokens)
-    mean, stderr = random_policy_reward_mc(task, tok, max_new_tokens, num_samples=6000, seed=1)
+    mean, stderr = random_policy_reward_mc(task, tok, max_new_tokens, get_reward_fn(task.reward), num_samples=6000, seed=1)
     assert abs(exact - mean) < 4 * stderr
     assert 0.03 < exact < 0.06  # ~1/20 per character: far below the 0.9 target
 

@@ -12,6 +12,7 @@ import pytest
 from jaxrl_fp8 import precision as P
 from pallas_kernels import quantize as Q
 from pallas_kernels.interpret import reset_after_error
+from pallas_kernels.quantize_nvfp4 import IMPLS
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -212,7 +213,7 @@ def test_nvfp4_f32_saturating_many_tiles_interpret():
         assert_same(a, b, n)
 
 
-@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v14", "v15"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_nvfp4_edge_cases_interpret(impl):
     x = edge_cases()
     packed, bs, g = Q.nvfp4(x, interpret=True, impl=impl)
@@ -250,10 +251,8 @@ def test_nvfp4_default_tiles_divide_each_experts_rows():
 @pytest.mark.parametrize("in_dtype", [BF16, F32])
 @pytest.mark.parametrize("per_expert", [False, True])
 def test_nvfp4_every_version_lowers_for_cuda(in_dtype, per_expert):
-    """Each version's GPU form (inline PTX, row layouts, the v10 / v11 prologue) builds a verified Mosaic GPU module here
-    on the CPU: a GPU-only code path can't break unnoticed between GPU sessions."""
-    from pallas_kernels.quantize_nvfp4 import IMPLS
-
+    """Each version's GPU form (inline PTX, row layouts, the per-CTA prologue) builds a verified Mosaic GPU module here
+    on the CPU: a GPU-only code path can't break unnoticed between GPU runs."""
     x = jax.ShapeDtypeStruct((4, 768, 256) if per_expert else (1536, 512), in_dtype)
     gam = jax.ShapeDtypeStruct((4,), F32) if per_expert else None
     for impl in IMPLS:
@@ -283,37 +282,6 @@ def e2m1_boundary_values():
     return np.concatenate([v, -v])
 
 
-def test_e2m1_code_bits_equals_thresholds():
-    """C.e2m1_code (the v2 kernel's bit formula) == precision.nvfp4.e2m1_codes(clip(y)) on ~4M float32 values."""
-    from jax import lax
-
-    from pallas_kernels.quantize_common import JnpOps, e2m1_code
-
-    rng = np.random.default_rng(0)
-    u = [e2m1_boundary_values().view(np.uint32)]
-    for p in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 1.0, 2.0, 4.0):  # 2000 float32 neighbours each side
-        b = int(np.array([p], np.float32).view(np.uint32)[0])
-        u.append(np.arange(b - 2000, b + 2000, dtype=np.uint32))
-    u.append(rng.integers(0, 0x41000000, 1_000_000, dtype=np.uint32))  # all magnitudes up to 8
-    u.append(rng.integers(0, 1 << 32, 1_000_000, dtype=np.uint64).astype(np.uint32))  # any bits (both signs)
-    u = np.concatenate(u)
-    u = u[~np.isnan(u.view(np.float32))]  # the kernels never see NaN here (a NaN block has d = NaN: code 0)
-    y = jnp.asarray(u.view(np.float32))
-    got = np.asarray(e2m1_code(lax.bitcast_convert_type(y, jnp.uint32), JnpOps))
-    want = np.asarray(P.nvfp4.e2m1_codes(jnp.clip(y, -6.0, 6.0))).astype(np.uint32)
-    bad = got != want
-    assert not bad.any(), f"{int(bad.sum())} differ, e.g. y={u[bad][:4].view(np.float32)}: {got[bad][:4]} vs {want[bad][:4]}"
-    # the kernels take the sign from x (y = x / d with d > 0): the magnitude still comes from y, the sign bit
-    # from sign_bits (here -y, so every sign flips) ...
-    flipped = np.asarray(e2m1_code(lax.bitcast_convert_type(y, jnp.uint32), JnpOps, sign_bits=lax.bitcast_convert_type(-y, jnp.uint32)))
-    np.testing.assert_array_equal(flipped & 7, want & 7)
-    np.testing.assert_array_equal(flipped >> 3, np.signbit(-np.asarray(y)).astype(np.uint32))
-    # ... and a quotient that overflowed, which the GPU's Markstein sequence returns as NaN, codes as +-6 by x
-    nan_bits = jnp.asarray(np.array([0x7FFFFFFF, 0xFFC00000, 0x7FC00000], np.uint32))  # NaNs the GPU may return
-    neg_x = lax.bitcast_convert_type(jnp.full((3,), -1e38, jnp.float32), jnp.uint32)
-    np.testing.assert_array_equal(np.asarray(e2m1_code(nan_bits, JnpOps, sign_bits=neg_x)), [15, 15, 15])
-
-
 def _nvfp4_boundary_input(rows=48):
     """Blocks whose x / d hit every E2M1 boundary exactly (and as float32 neighbours): amax 6 so bs*g = 1."""
     v = e2m1_boundary_values()
@@ -332,7 +300,7 @@ def _nvfp4_boundary_input(rows=48):
     return jnp.asarray(x)
 
 
-@pytest.mark.parametrize("impl", ["v2", "v1", "v4", "v5", "v6", "v7", "v8"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_nvfp4_e2m1_boundaries_interpret(impl):
     """With global amax 6 * 448 the block scale of an amax-6 block is 448 and d = 448 * g = 1: x / d is x itself,
     so every tie and float32 neighbour of the E2M1 grid reaches the code step exactly."""
@@ -370,7 +338,7 @@ def _near_midpoint_blocks(blocks=4096, seed=21, exact_ties=False):
 
 
 @pytest.mark.parametrize("exact_ties", [False, True])
-@pytest.mark.parametrize("impl", ["v6", "v7"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_nvfp4_near_midpoints_interpret(impl, exact_ties):
     x, gam = _near_midpoint_blocks(512, exact_ties=exact_ties)
     for a, b, n in zip(Q.nvfp4(x, global_amax=gam, interpret=True, impl=impl), P.quantize_nvfp4(x, global_amax=gam),
@@ -380,19 +348,19 @@ def test_nvfp4_near_midpoints_interpret(impl, exact_ties):
 
 @pytest.mark.parametrize("shape,in_dtype,global_amax", [((1, 16), BF16, None), ((2, 3, 40), F32, "per_expert"),
                                                         ((5, 33), BF16, 0.5)])
-def test_nvfp4_v1_interpret(shape, in_dtype, global_amax):
-    """The kept v1 kernel, v2 and v4 still equal the contract (M = 1, 3-D with per-expert scales, a partial block)."""
+def test_nvfp4_small_and_per_expert_shapes_interpret(shape, in_dtype, global_amax):
+    """Both versions equal the contract on M = 1, a 3-D stack with per-expert scales and a partial block."""
     x = rand(shape, 2, in_dtype, spread=False) * 2
     if global_amax == "per_expert":
         global_amax = jnp.max(jnp.abs(x.astype(F32)).reshape(shape[0], -1), axis=1)
-    for impl in ("v1", "v2", "v4"):
+    for impl in IMPLS:
         got = Q.nvfp4(x, global_amax=global_amax, interpret=True, impl=impl)
         for a, b, n in zip(got, P.quantize_nvfp4(x, global_amax=global_amax), ("packed", "block scale", "global")):
             assert_same(a, b, f"{n} impl={impl}")
 
 
 def test_divide_rows_interpret_is_ieee():
-    from pallas_kernels.quantize_common import divide_rows
+    from tests.pallas_kernels.division_probes import divide_rows
 
     x = rand((64, 128), 1) * np.float32(3.0)
     s = jnp.asarray(np.abs(np.asarray(rand((64, 1), 2)))[:, 0] + np.float32(1e-3))
@@ -414,9 +382,9 @@ def _cpu_reference(fn, *args, **kwargs):
 
 @pytest.mark.gpu
 def test_gpu_branch_free_reciprocal_equals_div_rn_on_every_significand():
-    """C._RCP_RN_PTX (NVFP4 v5's per-row RN(1/d): estimate, Newton step, Markstein correction, all-ones closed
+    """exact_arith._RCP_RN_PTX (NVFP4's per-row RN(1/d): estimate, Newton step, Markstein correction, all-ones closed
     form) == div.rn.f32(1, d) for all 2^23 float32 significands at exponents across NVFP4's range of d."""
-    from pallas_kernels.quantize_common import reciprocals
+    from tests.pallas_kernels.division_probes import reciprocals
 
     sig = np.arange(1 << 23, dtype=np.uint32)
     for e in (-54, -30, -1, 0, 1, 40, 125):
@@ -428,7 +396,7 @@ def test_gpu_branch_free_reciprocal_equals_div_rn_on_every_significand():
 @pytest.mark.gpu
 def test_gpu_markstein_division_equals_div_rn():
     """The per-value division (mul + 2 FMA corrections by RN(1/s)) == div.rn.f32 == numpy, on 50M quotients."""
-    from pallas_kernels.quantize_common import divide_rows
+    from tests.pallas_kernels.division_probes import divide_rows
 
     rng = np.random.default_rng(0)
     rows = 1 << 16
@@ -513,7 +481,7 @@ def test_gpu_mxfp8(shape, in_dtype, impl):
     "shape,in_dtype,per_expert",
     [((4096, 4096), BF16, False), ((8, 768, 2048), BF16, True), ((3, 40, 48), F32, True), ((1000, 1000), F32, False)],
 )
-@pytest.mark.parametrize("impl", ["v2", "v1", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v14", "v15", None],
+@pytest.mark.parametrize("impl", [*IMPLS, None],
                          ids=lambda v: v or "default")
 def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
     x = rand(shape, 8, in_dtype, spread=False)
@@ -525,26 +493,24 @@ def test_gpu_nvfp4(shape, in_dtype, per_expert, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,division", [("v2", "markstein"), ("v1", "markstein"), ("v1", "div_rn"), ("v3", "markstein"),
-                                           ("v4", "markstein"), ("v5", "markstein"), ("v6", "markstein"),
-                                           ("v7", "markstein"), ("v8", "markstein")])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("stages", [2, 4])
-def test_gpu_nvfp4_f32_saturating_many_tiles(impl, division, stages):
+def test_gpu_nvfp4_f32_saturating_many_tiles(impl, stages):
     """The benchmark's float32 case at a quarter of its size: many tiles per CTA, saturated block scales (it
     once differed from the contract, whose jitted scale chain XLA had rewritten; see decision record 0001)."""
     x = _bench_pattern((4096, 4096), 0)
-    got = Q.nvfp4(x, global_amax=4.0, impl=impl, config=Q.TileConfig(stages=stages, division=division))
+    got = Q.nvfp4(x, global_amax=4.0, impl=impl, config=Q.TileConfig(stages=stages))
     want = _cpu_reference(P.quantize_nvfp4, x, global_amax=4.0)
     for a, b, n in zip(got, want, ("packed", "block scale", "global")):
-        assert_same(a, b, f"{n} (impl={impl}, division={division}, stages={stages})")
+        assert_same(a, b, f"{n} (impl={impl}, stages={stages})")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["v2", "v3", "v4", "v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v14", "v15"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("in_dtype", [F32, BF16])
-def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype, impl):
-    """The v2 .. v8 kernels on the E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack;
-    v3 also on blocks whose (amax / 6) / g overflows float32 (its Markstein guard) while x / d does not."""
+def test_gpu_nvfp4_boundaries_and_edges(in_dtype, impl):
+    """The E2M1 boundary blocks, the edge-case rows, M = 1 and a 3-D per-expert stack, and blocks whose
+    (amax / 6) / g overflows float32 (the Markstein guard) while x / d does not."""
     x = _nvfp4_boundary_input(256).astype(in_dtype)
     for gam in (6.0 * 448.0, None, 3.0):
         got = Q.nvfp4(x, global_amax=gam, impl=impl)
@@ -571,7 +537,7 @@ def test_gpu_nvfp4_v2_boundaries_and_edges(in_dtype, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["v5", "v6", "v7", "v8", "v10", "v11", "v12", "v13", "v14", "v15"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_gpu_nvfp4_near_midpoints(impl):
     """Values at and next to every E2M1 midpoint of their block (random and power-of-two g, 2^18 blocks), bfloat16:
     ties x / d = midpoint exactly where RN(1/d) is inexact, where a quotient one correction short would miss."""
@@ -580,13 +546,3 @@ def test_gpu_nvfp4_near_midpoints(impl):
         for a, b, n in zip(Q.nvfp4(x, global_amax=gam, impl=impl), _cpu_reference(P.quantize_nvfp4, x, global_amax=gam),
                            ("packed", "block scale", "global")):
             assert_same(a, b, f"seed {seed} {n}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["v2", "v3"])
-def test_gpu_nvfp4_v2_saturating_many_tiles(impl):
-    """The float32 benchmark pattern (given amax 4.0, many tiles per CTA) through v2 and v3."""
-    x = _bench_pattern((4096, 4096), 0)
-    for a, b, n in zip(Q.nvfp4(x, global_amax=4.0, impl=impl), _cpu_reference(P.quantize_nvfp4, x, global_amax=4.0),
-                       ("packed", "block scale", "global")):
-        assert_same(a, b, n)

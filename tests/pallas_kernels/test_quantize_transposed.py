@@ -13,7 +13,7 @@ import pytest
 from jaxrl_fp8 import ops
 from jaxrl_fp8.ops import operands as O
 from jaxrl_fp8.precision import quantize_fp8_per_token_group
-from pallas_kernels import quantize_common as C
+from pallas_kernels.tiling import TileConfig
 from pallas_kernels import quantize_transposed as T
 from pallas_kernels.interpret import reset_after_error
 
@@ -179,7 +179,7 @@ def test_gpu_transposed_edge_cases_and_variants():
         _gpu_check(x, pow2_scale=pow2)
     _gpu_check(x.astype(BF16))
     _gpu_check(rand((512, 256), 9), dtype=E5M2)
-    for cfg in (C.TileConfig(stages=4, ctas_per_sm=1), C.TileConfig(division="div_rn")):
+    for cfg in (TileConfig(stages=4, ctas_per_sm=1), TileConfig(division="div_rn")):
         _gpu_check(rand((2048, 512), 10, BF16), config=cfg)
 
 

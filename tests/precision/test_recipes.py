@@ -5,7 +5,7 @@ import pytest
 from jaxrl_fp8.precision import FORMATS, RECIPES, Recipe, get_recipe
 from jaxrl_fp8.precision.recipes import COMPATIBLE_TRAIN_FORMATS
 
-SEED_MATRIX = {  # the seed guide's rollout x train table, written out cell by cell
+SEED_MATRIX = {  # Miles' rollout x train compatibility table, written out cell by cell
     ("bf16", "bf16"): True, ("bf16", "fp8-block"): False, ("bf16", "mxfp8"): False, ("bf16", "nvfp4"): False,
     ("fp8-block", "bf16"): True, ("fp8-block", "fp8-block"): True, ("fp8-block", "mxfp8"): False, ("fp8-block", "nvfp4"): False,
     ("mxfp8", "bf16"): True, ("mxfp8", "fp8-block"): False, ("mxfp8", "mxfp8"): True, ("mxfp8", "nvfp4"): False,

@@ -20,6 +20,14 @@ def test_sampling_params_to_sglang_uses_sglang_names():
                               "stop_token_ids": [5, 6], "ignore_eos": True, "n": 4, "sampling_seed": 123}
     # Optional fields are left out rather than sent as null.
     assert set(SamplingParams().to_sglang()) == {"temperature", "top_p", "top_k", "max_new_tokens", "ignore_eos", "n"}
+    # from_sglang is its inverse, with errors under SGLang's names and the server's limits.
+    assert SamplingParams.from_sglang(sp.to_sglang()) == sp and SamplingParams.from_sglang(None) == SamplingParams()
+    with pytest.raises(ValueError, match=r"sampling_params\[2\]\.sampling_seed must be an integer"):
+        SamplingParams.from_sglang({"sampling_seed": -1}, "sampling_params[2]")
+    with pytest.raises(ValueError, match=r"n must be an integer in \[1, 4\]"):
+        SamplingParams.from_sglang({"n": 5}, max_n=4)
+    with pytest.raises(ValueError, match=r"stop_token_ids\[1\] = 9 is out of the vocabulary \[0, 8\)"):
+        SamplingParams.from_sglang({"stop_token_ids": [1, 9]}, vocab_size=8)
 
 
 @pytest.mark.parametrize("kwargs, field", [

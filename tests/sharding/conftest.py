@@ -1,4 +1,4 @@
-"""The helper scripts of this directory (harness.py, wiring.py) import each other by plain module name."""
+"""The helper scripts of this directory (harness.py, subprocess_util.py) are imported by plain module name."""
 
 import os
 import sys

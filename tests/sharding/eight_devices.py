@@ -69,9 +69,10 @@ def main(out):
         params_bytes = S.per_device_bytes(tr.params)
         opt_bytes = S.per_device_bytes(tr.opt_state)
         expect_p, expect_o = expected_bytes(plan, tr.params), expected_bytes(plan, tr.opt_state)
-        new_params, new_opt, metrics = tr.update(tr.params, tr.opt_state, batch, nt)
-        mem = tr._sharded_update.memory_analysis()
-        hlo = tr._sharded_update.as_text()
+        tr.params, tr.opt_state, metrics = tr.apply_update(batch, nt)
+        new_params, new_opt = tr.params, tr.opt_state
+        compiled = tr.compiled_update(batch, nt)  # the executable that ran
+        mem, hlo = compiled.memory_analysis(), compiled.as_text()
         grads = harness.flat_numpy(new_opt[0].grads)
         np.savez(os.path.join(out, f"mesh_{name}.npz"), **{f"grad/{k}": v for k, v in grads.items()},
                  **{f"param/{k}": v for k, v in harness.flat_numpy(new_params).items()})

@@ -68,19 +68,19 @@ def settings(backward="high_precision"):
                            loss=PolicyLossConfig(), backward=backward, compute_dtype=jnp.float32, seed=0)
 
 
-def build_trainer(plan, cfg, *, seed=0, process_local=False, lr=1e-3):
+def build_trainer(plan, cfg, *, seed=0, lr=1e-3):
+    """The RL Trainer on `plan`'s mesh (state sharded, step jitted with explicit shardings, expert-parallel MoE on a
+    mesh of more than one device); `trainer.apply_update(mb, nt)` runs one step of its sharded path."""
     from jaxrl_fp8.config import base_config
-    from jaxrl_fp8.rl.trainer import make_optimizer
-
-    from wiring import make_sharded_trainer
+    from jaxrl_fp8.rl.trainer import Trainer, make_optimizer
 
     rl = base_config().rl
     rl.learning_rate = lr
     opt, schedule = make_optimizer(rl, 4)
     model = Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
-    return make_sharded_trainer(plan, process_local=process_local, model=model, settings=settings(),
-                                optimizer=optax.chain(capture_grads(), opt), schedule=schedule, engine=None, tokenizer=None,
-                                loader=None, reward_fn=None, train_policy=fp8_policy(cfg), push_weights=lambda *a: None)
+    return Trainer(model=model, settings=settings(), optimizer=optax.chain(capture_grads(), opt), schedule=schedule,
+                   engine=None, tokenizer=None, loader=None, reward_fn=None, train_policy=fp8_policy(cfg),
+                   push_weights=lambda *a: None, plan=plan)
 
 
 def flat_numpy(tree) -> dict[str, np.ndarray]:

@@ -42,7 +42,7 @@ def main(phase, pid, port, workdir):
     cfg = harness.fp8_test_config(vocab_size=tok.vocab_size, hidden_size=128, head_dim=32, intermediate_size=128,
                                   moe_intermediate_size=128, num_experts=4)
     plan = S.ShardingPlan(S.make_mesh(S.MeshConfig(data=2, expert=2, fsdp=1)))
-    trainer = harness.build_trainer(plan, cfg, seed=0 if phase == "train" else 7, process_local=True)
+    trainer = harness.build_trainer(plan, cfg, seed=0 if phase == "train" else 7)
     trainer.loader = loader
     plan.validate(trainer.params, trainer.train_policy)
     ckpt = Checkpointer(os.path.join(workdir, "ckpt"), max_to_keep=2, async_save=False)
@@ -54,7 +54,7 @@ def main(phase, pid, port, workdir):
         tokens, _ = pad_prompts(batch.prompt_ids, tok.pad_id, side="left", length=harness.T)
         mb = harness.minibatch(cfg, len(batch), seed=100 * n + pid, tokens=tokens)
         nt = float(jax.experimental.multihost_utils.process_allgather(mb["mask"].sum()).sum())
-        trainer.params, trainer.opt_state, met = trainer.update(trainer.params, trainer.opt_state, mb, nt)
+        trainer.params, trainer.opt_state, met = trainer.apply_update(mb, nt)  # each process feeds its own rows
         trainer.step = n
         log["loss"][n] = float(met["loss"])
 

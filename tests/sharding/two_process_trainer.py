@@ -97,7 +97,7 @@ def build(plan, pid):
                       train_policy=harness.fp8_policy(cfg), push_weights=lambda *a: None, plan=plan)
     ref[0] = trainer
     trainer.updates = []  # (loss, grad_norm) of every minibatch update; the first update's gradients
-    apply = trainer._apply_update
+    apply = trainer.apply_update
 
     def recording(mb, nt):
         out = apply(mb, nt)
@@ -107,7 +107,7 @@ def build(plan, pid):
             trainer.first_grads = gathered(out[1][0].grads)
         return out
 
-    trainer._apply_update = recording
+    trainer.apply_update = recording
     return trainer, cfg
 
 
@@ -198,7 +198,7 @@ def single(workdir):
             mb = {k: v[idx] for k, v in glob.items()}
             log["minibatch_local_token_counts"].append([float(blk["mask"][order[m * 4:(m + 1) * 4]].sum()) for blk in blocks])
             nt = jnp.float32(max(float(mb["mask"].sum()), 1.0))
-            trainer.params, trainer.opt_state, met = trainer._apply_update(mb, nt)
+            trainer.params, trainer.opt_state, met = trainer.apply_update(mb, nt)
             losses.append(trainer.updates[-1][0])
             norms.append(trainer.updates[-1][1])
         trainer.step += 1

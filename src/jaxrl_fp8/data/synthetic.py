@@ -25,7 +25,6 @@ import numpy as np
 
 from jaxrl_fp8.data.records import PromptRecord
 from jaxrl_fp8.data.tokenizer import TextTokenizer
-from jaxrl_fp8.rl.rewards import get_reward_fn
 
 __all__ = [
     "SyntheticTask",
@@ -165,11 +164,13 @@ def random_policy_expected_reward(task: SyntheticTask, tokenizer: TextTokenizer,
 
 
 def random_policy_reward_mc(
-    task: SyntheticTask, tokenizer: TextTokenizer, max_new_tokens: int, num_samples: int = 20000, seed: int = 0
+    task: SyntheticTask, tokenizer: TextTokenizer, max_new_tokens: int, reward_fn, num_samples: int = 20000,
+    seed: int = 0,
 ) -> tuple[float, float]:
-    """Monte-Carlo `(mean, standard error)` of the task reward under the uniform random policy."""
+    """Monte-Carlo `(mean, standard error)` of `reward_fn(prompt, response, answer)` (the task's reward, e.g.
+    `rl.rewards.get_reward_fn(task.reward)`: passed in because `data` imports nothing of ours) under the uniform
+    random policy."""
     rng = np.random.default_rng(seed)
-    reward_fn = get_reward_fn(task.reward)
     stops = set(tokenizer.stop_ids)
     examples = rng.integers(0, task.space_size, size=num_samples)
     tokens = rng.integers(0, tokenizer.vocab_size, size=(num_samples, max_new_tokens))

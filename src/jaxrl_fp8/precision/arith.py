@@ -1,7 +1,7 @@
 """The exact arithmetic the contract is written in.
 
 XLA's simplifier rewrites `a / constant` and `a / broadcast(b)` into `a * (1/b)`, which differs from IEEE
-division by one ulp in about half the cases (REFERENCE.md, measured). The contract is defined with IEEE
+division by one ulp in about half the cases (measured on XLA:CPU, jax 0.11.2). The contract is defined with IEEE
 (correctly rounded) float32 division, so every division of the contract goes through `ieee_div`, whose
 divisor is hidden from the simplifier behind an optimization barrier. Pallas kernels use plain `/` on
 vectors (lowered to correctly rounded division) and are tested bitwise against these functions.

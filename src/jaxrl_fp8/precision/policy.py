@@ -6,8 +6,8 @@ differ between stages. Decision for a tensor, in order:
   2. the first / last N transformer layers: high precision;
   3. rules from a precision-config file (first match wins; HF-name or trainer-name regexes);
   4. extra high-precision regexes on HF names and on trainer names (`re.search`);
-  5. NVFP4 quantizes MoE experts only (attention and dense MLP stay high precision, as the seed's NVFP4
-     recipe and reference converter do) unless `nvfp4_dense=True`;
+  5. NVFP4 quantizes MoE experts only (attention and dense MLP stay high precision, as Miles' NVFP4 recipe,
+     the system this project re-implements, and its reference converter do) unless `nvfp4_dense=True`;
   6. otherwise the policy's base format.
 Then SGLang's fused groups are enforced: q/k/v of a layer, dense gate/up of a layer, and all experts of a
 layer must share one format. With on_split_group="extend" a high-precision exception spreads to its whole

@@ -1,7 +1,9 @@
 """Recipes: which format the rollout uses, which the training forward uses, and how gradients flow.
 
-The rollout x training compatibility matrix and the hardware table are the seed guide's; both are enforced
-at construction / validation, before any compute, with messages that name the supported alternatives.
+Which rollout format pairs with which training format (`COMPATIBLE_TRAIN_FORMATS`: a BF16 rollout trains in BF16
+only, FP8-block and MXFP8 rollouts in BF16 or their own format, NVFP4 in NVFP4 only) and which formats each
+hardware runs natively (`HARDWARE_NATIVE`) are Miles' tables; both are enforced at construction / validation,
+before any compute, with messages that name the supported alternatives.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from jaxrl_fp8.precision.formats import BF16, FORMATS, FP8_BLOCK, MXFP8, NVFP4
 
 __all__ = ["Recipe", "RECIPES", "get_recipe", "COMPATIBLE_TRAIN_FORMATS", "BACKWARD_MODES", "detect_hardware", "HARDWARE_NATIVE"]
 
-# rollout format -> training-forward formats it may be paired with (seed guide, "Rollout x training compatibility").
+# rollout format -> training-forward formats it may be paired with.
 COMPATIBLE_TRAIN_FORMATS: dict[str, tuple[str, ...]] = {
     BF16: (BF16,),
     FP8_BLOCK: (BF16, FP8_BLOCK),
@@ -27,7 +29,7 @@ _BACKWARD_FOR_TRAIN = {
     MXFP8: BACKWARD_MODES,
     NVFP4: ("high_precision", "dequantized"),
 }
-# Formats each hardware family runs natively (seed guide, "Hardware support"). On CPU every format runs on
+# Formats each hardware family runs natively (MXFP8 and NVFP4 need Blackwell). On CPU every format runs on
 # the XLA reference path of the contract; MXFP8/NVFP4 there and on Hopper need emulate=True.
 HARDWARE_NATIVE: dict[str, tuple[str, ...]] = {
     "hopper": (BF16, FP8_BLOCK),

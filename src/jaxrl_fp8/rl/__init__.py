@@ -9,6 +9,7 @@ from jaxrl_fp8.rl.advantages import (
     reinforce_advantages,
     rloo_advantages,
 )
+from jaxrl_fp8.rl.latex import MathParseError, extract_boxed, normalize_answer, parse_math
 from jaxrl_fp8.rl.losses import (
     PolicyLossConfig,
     aggregate,
@@ -31,10 +32,8 @@ from jaxrl_fp8.rl.rewards import (
     answers_match,
     compute_rewards,
     exact_match_reward,
-    extract_boxed,
     get_reward_fn,
     load_reward_fn,
     math_reward,
-    normalize_answer,
     positional_match_reward,
 )

@@ -1,7 +1,7 @@
 """Policy-gradient loss of the trainer: PPO clip (asymmetric, optional dual clip) × TIS weight, plus an
 optional KL penalty to a frozen reference and an entropy bonus. Pure `jnp`, masked by the response mask.
 
-Conventions follow the reference system (see REFERENCE.md, "RL conventions"):
+Conventions follow Miles' defaults (the RL system this project re-implements):
 - `ppo_kl = old_logp - logp` (reported as a metric); ratio `r = exp(clamp(logp - old_logp, ±20))`.
 - Per-token PPO loss `max(-r·A, -clip(r, 1-eps_clip, 1+eps_clip_high)·A)`; `pg_clipfrac` is the share of
   tokens where the clipped term is strictly larger. Dual clip (`dual_clip_c` > 1): for A < 0 the loss is

@@ -1,7 +1,7 @@
 """Train–rollout mismatch metrics: how far the trainer's log-probs of the sampled tokens are from the
 rollout engine's. This is the number the unified low-precision contract drives to zero.
 
-Sign convention (REFERENCE.md, the reference system): `Δ = train_logp - rollout_logp` per token.
+Sign convention (Miles', the system this project re-implements): `Δ = train_logp - rollout_logp` per token.
 - `train_rollout_logprob_abs_diff` = masked mean `|Δ|`.
 - `train_rollout_kl` = masked mean of K3 `exp(Δ) - 1 - Δ`. Samples come from the rollout policy μ and
   `exp(Δ) = π_train/μ`, so this is the unbiased, non-negative estimator of `KL(μ ‖ π_train)`. As in the

@@ -119,8 +119,7 @@ class Trainer:
 
     @functools.cached_property
     def _mismatch_fn(self):
-        """Multi-host: the mismatch metrics of the global batch, replicated to every process (built once, at
-        first use: a subclass may set up the plan after __init__)."""
+        """Multi-host: the mismatch metrics of the global batch, replicated to every process (built once)."""
         if jax.process_count() == 1:
             return mismatch_metrics
         return jax.jit(mismatch_metrics, static_argnums=(3, 4), out_shardings=self.plan.replicated())
@@ -158,14 +157,30 @@ class Trainer:
         metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite.astype(jnp.float32))
         return keep(new_params, params), keep(new_opt, opt_state), metrics
 
-    def _apply_update(self, mb, num_tokens):
+    def apply_update(self, mb, num_tokens):
+        """One optimizer update of the current masters on minibatch `mb` (multi-host: this process's rows), the loss
+        normalised by `num_tokens` (the minibatch's global token count). Returns (params, opt_state, metrics); the
+        caller stores them (on a mesh the old state buffers are donated)."""
         if self.plan is None:
             return self._update_jit(self.params, self.opt_state, mb, num_tokens)
+        mb, num_tokens = self._sharded_inputs(mb, num_tokens)
+        return self._sharded_update(self.params, self.opt_state, mb, num_tokens)
+
+    def compiled_update(self, mb, num_tokens):
+        """The sharded step compiled for `mb`'s shapes (`memory_analysis()`, `as_text()`). Once `apply_update` has run
+        on these shapes it is the executable that ran (from jit's cache, no second compile)."""
+        if self.plan is None:
+            raise ValueError("compiled_update describes the sharded step: the Trainer needs a ShardingPlan")
+        mb, num_tokens = self._sharded_inputs(mb, num_tokens)
+        return self._sharded_update.lower(self.params, self.opt_state, mb, num_tokens).compile()
+
+    def _sharded_inputs(self, mb, num_tokens):
+        """The minibatch split by rows over the mesh, the token count replicated; the step jitted at first use."""
         mb = self.plan.put_batch(mb, process_local=jax.process_count() > 1)  # multi-host: each process its rows
         num_tokens = jax.device_put(jnp.float32(num_tokens), self.plan.replicated())
         if self._sharded_update is None:
             self._sharded_update = self.plan.jit_train_step(self._update, self.params, self.opt_state, mb)
-        return self._sharded_update(self.params, self.opt_state, mb, num_tokens)
+        return mb, num_tokens
 
     # -- one RL step ----------------------------------------------------------------------------------
     def sampling(self, step: int, greedy: bool = False) -> SamplingParams:
@@ -241,7 +256,7 @@ class Trainer:
             # every minibatch normalises by its own token count so the step size does not depend on the split;
             # the count is global (all processes' rows of minibatch m), as the loss sums over the global batch
             nt = jnp.float32(max(float(distributed.global_count(tb.response_mask[idx].sum())), 1.0))
-            self.params, self.opt_state, met = self._apply_update(mb, nt)
+            self.params, self.opt_state, met = self.apply_update(mb, nt)
             mb_metrics.append(jax.device_get(met))
         skipped = sum(1 for m in mb_metrics if m["finite"] < 1)
         self.skipped_updates += skipped

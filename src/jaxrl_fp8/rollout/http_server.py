@@ -5,11 +5,10 @@ like SGLang. Endpoints: POST /generate, /update_weights_from_disk, /update_weigh
 /pause_generation, /continue_generation, /flush_cache (also GET); GET /health, /health_generate,
 /model_info, /server_info, /weight_version (plus SGLang's older /get_* aliases).
 
-- Concurrent /generate requests are queued and run as one engine call (a batching window of
-  `max_wait_s`, at most `max_batch_prompts` prompts), each prompt keeping its own sampling params.
-- Requests are validated before they reach the engine: malformed JSON, unknown fields, wrong types,
-  out-of-vocabulary ids, prompt + max_new_tokens over the engine's limit and oversize bodies get a 4xx
-  JSON error `{"object": "error", "message", "type", "code"}` naming the field; the server stays up.
+- Concurrent /generate requests are queued and run as one engine call (`http_batcher`).
+- Requests are validated before they reach the engine (`http_schema`, the one place): malformed JSON,
+  unknown fields, wrong types, out-of-vocabulary ids, prompt + max_new_tokens over the engine's limit and
+  oversize bodies get a 4xx JSON error naming the field; the server stays up.
 - Weight updates take the engine lock, so they wait for the running batch: a sample never mixes two
   versions. /pause_generation blocks new generation until /continue_generation; in "abort" mode the
   queued (not yet running) requests are answered at once with finish_reason abort.
@@ -19,388 +18,34 @@ like SGLang. Endpoints: POST /generate, /update_weights_from_disk, /update_weigh
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
 import signal
 import threading
 import time
-import uuid
-from collections.abc import Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from jaxrl_fp8.rollout.sglang_client import encode_routed_experts
-from jaxrl_fp8.rollout.types import MAX_SEED, ModelInfo, RolloutEngine, Sample, SamplingParams
+from jaxrl_fp8.rollout.http_batcher import Batcher, Job
+from jaxrl_fp8.rollout.http_schema import (
+    BadRequest,
+    ParsedGenerate,
+    ServerConfig,
+    aborted_output,
+    error_body,
+    parse_generate_body,
+    parse_pause_mode,
+    parse_update_from_disk,
+    parse_update_weight_version,
+    sample_rid,
+    sample_to_output,
+)
+from jaxrl_fp8.rollout.types import ModelInfo, RolloutEngine, SamplingParams
+
+__all__ = ["EmbeddedServer", "ServerConfig", "serve_forever", "start_in_thread"]
 
 log = logging.getLogger(__name__)
-
-GENERATE_FIELDS = frozenset(
-    {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "return_routed_experts", "rid", "stream"}
-)
-SAMPLING_FIELDS = frozenset(
-    {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "n", "sampling_seed"}
-)
-# SGLang's UpdateWeightFromDiskReqInput fields; the ones without meaning here are accepted and ignored.
-UPDATE_FROM_DISK_FIELDS = frozenset(
-    {"model_path", "load_format", "weight_version", "flush_cache", "abort_all_requests", "is_async",
-     "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "rid"}
-)
-
-
-class BadRequest(ValueError):
-    """A request the server refuses; becomes a 4xx JSON error."""
-
-    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST):
-        super().__init__(message)
-        self.status = int(status)
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    max_body_bytes: int = 16 << 20
-    max_batch_prompts: int = 256  # prompts in one engine call
-    max_prompts_per_request: int = 256
-    max_n: int = 64
-    max_wait_s: float = 0.005  # how long the first queued request waits for company
-    enable_return_routed_experts: bool = True
-    health_generate_timeout_s: float = 20.0
-
-    def __post_init__(self) -> None:
-        if self.max_prompts_per_request > self.max_batch_prompts:
-            raise ValueError("ServerConfig.max_prompts_per_request must be <= max_batch_prompts")
-
-
-# ---------------------------------------------------------------------------------------------
-# Request parsing (pure; unit-testable without HTTP).
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class ParsedGenerate:
-    prompts: list[tuple[int, ...]]
-    params: list[SamplingParams]
-    rids: list[str]
-    return_logprob: bool
-    return_routed_experts: bool
-    single: bool  # input_ids was one prompt (the response is then not wrapped per prompt)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _token_list(value: Any, where: str, vocab_size: int, allow_empty: bool = False) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise BadRequest(f"{where} must be a list of token ids, got {type(value).__name__}")
-    if not value and not allow_empty:
-        raise BadRequest(f"{where} must not be empty")
-    for i, t in enumerate(value):
-        if not _is_int(t):
-            raise BadRequest(f"{where}[{i}] must be an integer token id, got {t!r}")
-        if not 0 <= t < vocab_size:
-            raise BadRequest(f"{where}[{i}] = {t} is out of the vocabulary [0, {vocab_size})")
-    return tuple(value)
-
-
-def parse_sampling_params(raw: Any, where: str, vocab_size: int, max_n: int) -> SamplingParams:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise BadRequest(f"{where} must be an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - SAMPLING_FIELDS)
-    if unknown:
-        raise BadRequest(f"{where} has unsupported fields {unknown}; supported: {sorted(SAMPLING_FIELDS)}")
-    kw: dict[str, Any] = {}
-    v = raw.get("temperature")
-    if v is not None:
-        if not _is_number(v) or v < 0:
-            raise BadRequest(f"{where}.temperature must be a finite number >= 0, got {v!r}")
-        kw["temperature"] = float(v)
-    v = raw.get("top_p")
-    if v is not None:
-        if not _is_number(v) or not 0 < v <= 1:
-            raise BadRequest(f"{where}.top_p must be a number in (0, 1], got {v!r}")
-        kw["top_p"] = float(v)
-    v = raw.get("top_k")
-    if v is not None:
-        if not _is_int(v) or not (v == -1 or v >= 1):
-            raise BadRequest(f"{where}.top_k must be -1 (all) or an integer >= 1, got {v!r}")
-        kw["top_k"] = v
-    v = raw.get("max_new_tokens")
-    if v is not None:
-        if not _is_int(v) or v < 0:
-            raise BadRequest(f"{where}.max_new_tokens must be an integer >= 0, got {v!r}")
-        kw["max_new_tokens"] = v
-    v = raw.get("stop_token_ids")
-    if v is not None:
-        kw["stop_token_ids"] = _token_list(v, f"{where}.stop_token_ids", vocab_size, allow_empty=True)
-    v = raw.get("ignore_eos")
-    if v is not None:
-        if not isinstance(v, bool):
-            raise BadRequest(f"{where}.ignore_eos must be a boolean, got {v!r}")
-        kw["ignore_eos"] = v
-    v = raw.get("n")
-    if v is not None:
-        if not _is_int(v) or not 1 <= v <= max_n:
-            raise BadRequest(f"{where}.n must be an integer in [1, {max_n}], got {v!r}")
-        kw["n"] = v
-    v = raw.get("sampling_seed")
-    if v is not None:
-        if not _is_int(v) or not 0 <= v <= MAX_SEED:
-            raise BadRequest(f"{where}.sampling_seed must be an integer in [0, {MAX_SEED}], got {v!r}")
-        kw["seed"] = v
-    return SamplingParams(**kw)
-
-
-def parse_generate_body(body: Any, info: ModelInfo, config: ServerConfig) -> ParsedGenerate:
-    """Validate a /generate body against SGLang's schema (our subset) and the engine's limits."""
-    if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    if "text" in body:
-        raise BadRequest("'text' prompts are not supported by this server (it has no tokenizer); send 'input_ids'")
-    unknown = sorted(set(body) - GENERATE_FIELDS)
-    if unknown:
-        raise BadRequest(f"unsupported fields {unknown}; supported: {sorted(GENERATE_FIELDS)}")
-    if body.get("stream"):
-        raise BadRequest("'stream': true is not supported by this server")
-    for flag in ("return_logprob", "return_routed_experts", "stream"):
-        if body.get(flag) is not None and not isinstance(body[flag], bool):
-            raise BadRequest(f"'{flag}' must be a boolean, got {body[flag]!r}")
-    start = body.get("logprob_start_len")
-    if start is not None and (not _is_int(start) or start != -1):
-        raise BadRequest(f"'logprob_start_len' must be -1 (output tokens only), got {start!r}")
-
-    ids = body.get("input_ids")
-    if ids is None:
-        raise BadRequest("'input_ids' is required")
-    if not isinstance(ids, list) or not ids:
-        raise BadRequest("'input_ids' must be a non-empty list of token ids or a list of such lists")
-    single = not isinstance(ids[0], list)
-    raw_prompts = [ids] if single else ids
-    if len(raw_prompts) > config.max_prompts_per_request:
-        raise BadRequest(
-            f"{len(raw_prompts)} prompts in one request; at most {config.max_prompts_per_request} are accepted"
-        )
-    prompts = [
-        _token_list(p, "input_ids" if single else f"input_ids[{i}]", info.vocab_size)
-        for i, p in enumerate(raw_prompts)
-    ]
-
-    raw_sp = body.get("sampling_params")
-    if isinstance(raw_sp, list):
-        if len(raw_sp) != len(prompts):
-            raise BadRequest(f"'sampling_params' has {len(raw_sp)} entries for {len(prompts)} prompts")
-        params = [parse_sampling_params(s, f"sampling_params[{i}]", info.vocab_size, config.max_n)
-                  for i, s in enumerate(raw_sp)]
-    else:
-        params = [parse_sampling_params(raw_sp, "sampling_params", info.vocab_size, config.max_n)] * len(prompts)
-
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        if len(p) + sp.max_new_tokens > info.max_total_tokens:
-            name = "input_ids" if single else f"input_ids[{i}]"
-            raise BadRequest(
-                f"{name} has {len(p)} tokens + max_new_tokens {sp.max_new_tokens} = {len(p) + sp.max_new_tokens}, "
-                f"over this server's max_total_tokens {info.max_total_tokens}"
-            )
-
-    rid = body.get("rid")
-    if rid is None:
-        base = uuid.uuid4().hex
-        rids = [base] if single else [f"{base}_{i}" for i in range(len(prompts))]
-    elif isinstance(rid, str):
-        rids = [rid] if single else [f"{rid}_{i}" for i in range(len(prompts))]
-    elif isinstance(rid, list) and all(isinstance(r, str) for r in rid) and len(rid) == len(prompts):
-        rids = list(rid)
-    else:
-        raise BadRequest(f"'rid' must be a string or a list of {len(prompts)} strings, got {rid!r}")
-
-    return ParsedGenerate(prompts, params, rids, bool(body.get("return_logprob", False)),
-                          bool(body.get("return_routed_experts", False)), single)
-
-
-# ---------------------------------------------------------------------------------------------
-# Response building.
-# ---------------------------------------------------------------------------------------------
-
-
-def _finish_json(sample: Sample) -> dict[str, Any]:
-    if sample.finish_reason == "length":
-        return {"type": "length", "length": int(sample.response_ids.size)}
-    if sample.finish_reason == "stop":
-        matched = int(sample.response_ids[-1]) if sample.response_ids.size else None
-        return {"type": "stop", "matched": matched}
-    return {"type": "abort", "message": "aborted"}
-
-
-def sample_to_output(sample: Sample, rid: str, *, return_logprob: bool, return_routed_experts: bool) -> dict:
-    """One element of a /generate response, shaped like SGLang's."""
-    meta: dict[str, Any] = {
-        "id": rid,
-        "finish_reason": _finish_json(sample),
-        "prompt_tokens": int(sample.prompt_ids.size),
-        "completion_tokens": int(sample.response_ids.size),
-        "cached_tokens": 0,
-        "weight_version": sample.weight_version,
-    }
-    if return_logprob:
-        meta["output_token_logprobs"] = [
-            [float(lp), int(t), None] for lp, t in zip(sample.rollout_logprobs.tolist(), sample.response_ids.tolist())
-        ]
-    if return_routed_experts and sample.routed_experts is not None:
-        meta["routed_experts"] = encode_routed_experts(sample.routed_experts)
-    return {"text": "", "output_ids": sample.response_ids.tolist(), "meta_info": meta}
-
-
-def _aborted_output(prompt: Sequence[int], rid: str, version: str, message: str, return_logprob: bool) -> dict:
-    meta: dict[str, Any] = {
-        "id": rid,
-        "finish_reason": {"type": "abort", "message": message},
-        "prompt_tokens": len(prompt),
-        "completion_tokens": 0,
-        "cached_tokens": 0,
-        "weight_version": version,
-    }
-    if return_logprob:
-        meta["output_token_logprobs"] = []
-    return {"text": "", "output_ids": [], "meta_info": meta}
-
-
-def error_body(message: str, status: int) -> dict[str, Any]:
-    return {"object": "error", "message": message, "type": HTTPStatus(status).phrase, "param": None, "code": status}
-
-
-# ---------------------------------------------------------------------------------------------
-# Batching.
-# ---------------------------------------------------------------------------------------------
-
-
-class _Job:
-    def __init__(self, parsed: ParsedGenerate):
-        self.parsed = parsed
-        self.done = threading.Event()
-        self.samples: list[Sample] | None = None
-        self.aborted: str | None = None
-        self.error: str | None = None
-
-    @property
-    def num_prompts(self) -> int:
-        return len(self.parsed.prompts)
-
-
-class _Batcher:
-    """One thread; merges queued jobs into one `engine.generate` call under the engine lock."""
-
-    def __init__(self, engine: RolloutEngine, engine_lock: threading.Lock, config: ServerConfig):
-        self.engine = engine
-        self.engine_lock = engine_lock
-        self.config = config
-        self._queue: list[_Job] = []
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="rollout-batcher", daemon=True)
-        self.batches_run = 0
-        self.prompts_run = 0
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, job: _Job) -> None:
-        with self._cond:
-            if self._stopping:
-                job.error = "server is shutting down"
-                job.done.set()
-                return
-            self._queue.append(job)
-            self._cond.notify_all()
-
-    @property
-    def queued_prompts(self) -> int:
-        """Prompts waiting behind the running batch (the ones an abort-mode pause would answer)."""
-        with self._cond:
-            return sum(j.num_prompts for j in self._queue)
-
-    def abort_queued(self, message: str) -> int:
-        with self._cond:
-            jobs, self._queue = self._queue, []
-        for job in jobs:
-            job.aborted = message
-            job.done.set()
-        return len(jobs)
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        with self._cond:
-            self._stopping = True
-            jobs, self._queue = self._queue, []
-            self._cond.notify_all()
-        for job in jobs:
-            job.error = "server is shutting down"
-            job.done.set()
-        self._thread.join(timeout_s)
-
-    def _take_batch(self) -> list[_Job]:
-        with self._cond:
-            while not self._queue and not self._stopping:
-                self._cond.wait()
-            if self._stopping:
-                return []
-            deadline = time.monotonic() + self.config.max_wait_s
-            while sum(j.num_prompts for j in self._queue) < self.config.max_batch_prompts and not self._stopping:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            batch, total = [], 0
-            while self._queue and total + self._queue[0].num_prompts <= self.config.max_batch_prompts:
-                job = self._queue.pop(0)
-                batch.append(job)
-                total += job.num_prompts
-            return batch
-
-    def _loop(self) -> None:
-        while True:
-            batch = self._take_batch()
-            if not batch:
-                if self._stopping:
-                    return
-                continue
-            self._run(batch)
-
-    def _run(self, batch: list[_Job]) -> None:
-        prompts = [p for j in batch for p in j.parsed.prompts]
-        params = [sp for j in batch for sp in j.parsed.params]
-        routed = any(j.parsed.return_routed_experts for j in batch)
-        try:
-            with self.engine_lock:
-                samples = self.engine.generate(prompts, params, return_routed_experts=routed)
-            expected = sum(sp.n for sp in params)
-            if len(samples) != expected:
-                raise RuntimeError(f"engine returned {len(samples)} samples for {expected} requested")
-        except Exception as e:  # the engine failed: fail this batch, keep serving
-            log.exception("engine.generate failed for a batch of %d prompts", len(prompts))
-            for job in batch:
-                job.error = f"engine error: {type(e).__name__}: {e}"
-                job.done.set()
-            return
-        self.batches_run += 1
-        self.prompts_run += len(prompts)
-        pos = 0
-        for job in batch:
-            count = sum(sp.n for sp in job.parsed.params)
-            job.samples = samples[pos : pos + count]
-            pos += count
-            job.done.set()
-
-
-# ---------------------------------------------------------------------------------------------
-# The server.
-# ---------------------------------------------------------------------------------------------
 
 
 class EmbeddedServer:
@@ -411,7 +56,7 @@ class EmbeddedServer:
         self.engine = engine
         self.config = config
         self.engine_lock = threading.Lock()
-        self.batcher = _Batcher(engine, self.engine_lock, config)
+        self.batcher = Batcher(engine, self.engine_lock, config)
         self._pause_cond = threading.Condition()
         self._paused = False
         self._stopping = False
@@ -595,7 +240,7 @@ class _Handler(BaseHTTPRequestHandler):
         app = self.server.app
         parsed = ParsedGenerate([(0,)], [SamplingParams(temperature=0.0, max_new_tokens=1)],
                                 [f"HEALTH_CHECK_{time.time()}"], False, False, True)
-        job = _Job(parsed)
+        job = Job(parsed)
         app.batcher.submit(job)  # bypasses the pause gate, like SGLang's health check
         ok = job.done.wait(app.config.health_generate_timeout_s) and job.error is None
         self._send(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE)
@@ -641,7 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not app.wait_unpaused():
             self._error(HTTPStatus.SERVICE_UNAVAILABLE, "server is shutting down")
             return
-        job = _Job(parsed)
+        job = Job(parsed)
         app.batcher.submit(job)
         job.done.wait()
         if job.error is not None:
@@ -652,14 +297,14 @@ class _Handler(BaseHTTPRequestHandler):
         if job.aborted is not None:
             version = app.engine.weight_version
             for prompt, sp, rid in zip(parsed.prompts, parsed.params, parsed.rids):
-                outputs += [_aborted_output(prompt, _sample_rid(rid, j, sp.n), version, job.aborted,
+                outputs += [aborted_output(prompt, sample_rid(rid, j, sp.n), version, job.aborted,
                                             parsed.return_logprob) for j in range(sp.n)]
         else:
             routed = parsed.return_routed_experts and app.routed_experts_enabled
             samples = iter(job.samples or [])
             for rid, sp in zip(parsed.rids, parsed.params):
                 for j in range(sp.n):
-                    outputs.append(sample_to_output(next(samples), _sample_rid(rid, j, sp.n),
+                    outputs.append(sample_to_output(next(samples), sample_rid(rid, j, sp.n),
                                                     return_logprob=parsed.return_logprob,
                                                     return_routed_experts=routed))
         single_output = parsed.single and parsed.params[0].n == 1
@@ -667,51 +312,29 @@ class _Handler(BaseHTTPRequestHandler):
 
     def update_weights_from_disk(self) -> None:
         app = self.server.app
-        body = self._read_json()
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        unknown = sorted(set(body) - UPDATE_FROM_DISK_FIELDS)
-        if unknown:
-            raise BadRequest(f"unsupported fields {unknown}; supported: {sorted(UPDATE_FROM_DISK_FIELDS)}")
-        path = body.get("model_path")
-        if not isinstance(path, str) or not path:
-            raise BadRequest("'model_path' must be a non-empty string")
-        version = body.get("weight_version")
-        if version is not None and not isinstance(version, str):
-            raise BadRequest(f"'weight_version' must be a string, got {version!r}")
-        load_format = body.get("load_format")
-        if load_format not in (None, "auto"):
-            raise BadRequest(f"'load_format' {load_format!r} is not supported (only 'auto')")
-        flush = body.get("flush_cache", True)
-        if not isinstance(flush, bool):
-            raise BadRequest(f"'flush_cache' must be a boolean, got {flush!r}")
+        req = parse_update_from_disk(self._read_json())
         with app.engine_lock:  # waits for the running batch: no sample mixes versions
-            target = version if version is not None else app.engine.weight_version
+            target = req.weight_version if req.weight_version is not None else app.engine.weight_version
             try:
-                app.engine.update_weights_from_disk(path, target)
+                app.engine.update_weights_from_disk(req.model_path, target)
             except Exception as e:
-                log.exception("update_weights_from_disk(%s) failed", path)
+                log.exception("update_weights_from_disk(%s) failed", req.model_path)
                 self._send(HTTPStatus.BAD_REQUEST, {"success": False, "num_paused_requests": 0,
-                                                    "message": f"Failed to load weights from {path}: "
+                                                    "message": f"Failed to load weights from {req.model_path}: "
                                                                f"{type(e).__name__}: {e}"})
                 return
-            if flush:
+            if req.flush_cache:
                 app.engine.flush_cache()
         self._send(HTTPStatus.OK, {"success": True, "num_paused_requests": 0,
                                    "message": f"Succeeded to update model weights. Weight version updated to {target}."})
 
     def update_weight_version(self) -> None:
         app = self.server.app
-        body = self._read_json()
-        if not isinstance(body, dict) or not isinstance(body.get("new_version"), str):
-            raise BadRequest("'new_version' (a string) is required")
-        unknown = sorted(set(body) - {"new_version", "abort_all_requests", "rid"})
-        if unknown:
-            raise BadRequest(f"unsupported fields {unknown}")
+        version = parse_update_weight_version(self._read_json())
         with app.engine_lock:
-            app.engine.set_weight_version(body["new_version"])
-        self._send(HTTPStatus.OK, {"success": True, "new_version": body["new_version"],
-                                   "message": f"Weight version updated to {body['new_version']}"})
+            app.engine.set_weight_version(version)
+        self._send(HTTPStatus.OK, {"success": True, "new_version": version,
+                                   "message": f"Weight version updated to {version}"})
 
     def flush_cache(self) -> None:
         app = self.server.app
@@ -721,13 +344,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(HTTPStatus.OK, text="Cache flushed.\n")
 
     def pause_generation(self) -> None:
-        body = self._read_json()
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        mode = body.get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            raise BadRequest(f"'mode' must be abort, retract or in_place, got {mode!r}")
-        aborted = self.server.app.pause(mode)
+        aborted = self.server.app.pause(parse_pause_mode(self._read_json()))
         self._send(HTTPStatus.OK, {"message": "Generation paused successfully.", "status": "ok",
                                    "num_aborted_requests": aborted})
 
@@ -743,10 +360,6 @@ def _drain(stream: Any, length: int, chunk: int = 1 << 20) -> None:
         if not got:
             return
         length -= len(got)
-
-
-def _sample_rid(rid: str, j: int, n: int) -> str:
-    return rid if n == 1 else f"{rid}_{j}"
 
 
 _GET_ROUTES = {

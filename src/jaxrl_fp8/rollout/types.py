@@ -56,8 +56,75 @@ def sample_seed(seed: int, sample_index: int) -> int:
 
 
 def _check_seed(name: str, seed: Any) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= MAX_SEED:
-        raise ValueError(f"{name} must be an int in [0, {MAX_SEED}], got {seed!r}")
+    if not _is_int(seed) or not 0 <= int(seed) <= MAX_SEED:
+        raise ValueError(f"{name} must be an integer in [0, {MAX_SEED}], got {seed!r}")
+
+
+def token_ids(value: Any, where: str, vocab_size: int | None = None, *, allow_empty: bool = True) -> tuple[int, ...]:
+    """`value` (a list of token ids) as a tuple, or a ValueError naming `where` and the bad element.
+
+    Ids must be integers in [0, vocab_size) (>= 0 when vocab_size is None). The one check of token ids, used
+    by `SamplingParams` (stop ids) and by the HTTP server (prompts, with the served model's vocabulary).
+    """
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        raise ValueError(f"{where} must be a list of token ids, got {type(value).__name__}")
+    if len(value) == 0 and not allow_empty:
+        raise ValueError(f"{where} must not be empty")
+    for i, t in enumerate(value):
+        if not _is_int(t):
+            raise ValueError(f"{where}[{i}] must be an integer token id, got {t!r}")
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            bound = "is negative" if vocab_size is None else f"is out of the vocabulary [0, {vocab_size})"
+            raise ValueError(f"{where}[{i}] = {t} {bound}")
+    return tuple(int(t) for t in value)
+
+
+# SamplingParams field -> its name in SGLang's `sampling_params` (only the seed differs).
+SGLANG_NAMES: dict[str, str] = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_new_tokens",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "n": "n", "seed": "sampling_seed",
+}
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_sampling(values: dict[str, Any], where: str, names: dict[str, str], vocab_size: int | None,
+                    max_n: int | None) -> dict[str, Any]:
+    """The one validation of sampling parameters: `values` (any subset of the fields) checked and normalised.
+
+    Errors name the field as `{where}.{names[field]}`; `vocab_size` bounds the stop ids and `max_n` bounds n
+    (a server's limits; None: no bound beyond the field's own range).
+    """
+    out = dict(values)
+
+    def bad(field: str, rule: str) -> ValueError:
+        return ValueError(f"{where}.{names.get(field, field)} must be {rule}, got {values[field]!r}")
+
+    if "temperature" in values:
+        if not _is_number(values["temperature"]) or values["temperature"] < 0:
+            raise bad("temperature", "a finite number >= 0")
+        out["temperature"] = float(values["temperature"])
+    if "top_p" in values:
+        if not _is_number(values["top_p"]) or not 0 < values["top_p"] <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        out["top_p"] = float(values["top_p"])
+    if "top_k" in values and (not _is_int(values["top_k"]) or not (values["top_k"] == -1 or values["top_k"] >= 1)):
+        raise bad("top_k", "-1 (all) or an integer >= 1")
+    if "max_new_tokens" in values and (not _is_int(values["max_new_tokens"]) or values["max_new_tokens"] < 0):
+        raise bad("max_new_tokens", "an integer >= 0")
+    if "stop_token_ids" in values:
+        out["stop_token_ids"] = token_ids(values["stop_token_ids"], f"{where}.stop_token_ids", vocab_size)
+    if "ignore_eos" in values and not isinstance(values["ignore_eos"], bool):
+        raise bad("ignore_eos", "a boolean")
+    if "n" in values:
+        n = values["n"]
+        if not _is_int(n) or n < 1 or (max_n is not None and n > max_n):
+            raise bad("n", "an integer >= 1" if max_n is None else f"an integer in [1, {max_n}]")
+    if values.get("seed") is not None:
+        _check_seed(f"{where}.{names.get('seed', 'seed')}", values["seed"])
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,25 +145,28 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise ValueError(f"SamplingParams.temperature must be a number, got {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"SamplingParams.top_k must be -1 (all) or >= 1, got {self.top_k!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
-            raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be >= 0, got {self.stop_token_ids}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
-        if self.seed is not None:
-            _check_seed("SamplingParams.seed", self.seed)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in _check_sampling(fields, "SamplingParams", {}, None, None).items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_sglang(cls, raw: Any, where: str = "sampling_params", *, vocab_size: int | None = None,
+                    max_n: int | None = None) -> SamplingParams:
+        """The inverse of `to_sglang`: parameters from an SGLang `sampling_params` JSON object (None: defaults).
+
+        Unknown fields are refused; a ValueError names the bad field by its SGLang name under `where`
+        (e.g. `sampling_params[1].sampling_seed`). `vocab_size` and `max_n` are the server's limits.
+        """
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} must be an object, got {type(raw).__name__}")
+        supported = sorted(SGLANG_NAMES.values())
+        unknown = sorted(set(raw) - set(supported))
+        if unknown:
+            raise ValueError(f"{where} has unsupported fields {unknown}; supported: {supported}")
+        given = {field: raw[wire] for field, wire in SGLANG_NAMES.items() if raw.get(wire) is not None}
+        return cls(**_check_sampling(given, where, SGLANG_NAMES, vocab_size, max_n))
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,142 @@
+"""Flash attention (pallas_kernels.attention) against cuDNN and the model's "xla" path, same run, one GPU.
+
+Causal forward and forward+backward TFLOP/s at T = 1k, 4k, 8k, 16k (Qwen3-30B-A3B heads: 32 query / 4 key-value
+heads of 128; batch chosen so each point holds 16k tokens), and the paged decode step time at batch 1 / 64 / 256
+with cache lengths 1k-16k against the HBM roofline of the KV bytes it must read (the copy bandwidth measured in the
+same run). FLOPs count the causal half: fwd 2 * 2 * B * H * T^2 / 2 * D, fwd+bwd 3.5x that (the backward recomputes
+the scores). Writes a table and results/attention_<device>.json; a failing point (OOM, unsupported) is recorded.
+
+    python experiments/benchmarks/attention.py --out experiments/benchmarks/results/attention_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import jaxrl_fp8  # noqa: F401  (first: sets the XLA flags of the precision contract before JAX starts)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import bench, write_results  # noqa: E402
+
+from pallas_kernels import attention as A  # noqa: E402
+
+H, HKV, D = 32, 4, 128
+BF16 = jnp.bfloat16
+
+
+def _xla_attention(q, k, v):
+    from jaxrl_fp8.model.attention import attention, causal_segment_mask  # noqa: PLC0415
+
+    mask = causal_segment_mask(jnp.zeros(q.shape[:2], jnp.int32))
+    return attention(q, k, v, mask, scale=D**-0.5, impl="xla")
+
+
+def _cudnn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=D**-0.5, implementation="cudnn")
+
+
+def _ours(q, k, v):
+    return A.flash_attention(q, k, v, scale=D**-0.5)
+
+
+IMPLS = {"flash (ours)": _ours, "cudnn": _cudnn, "xla": _xla_attention}
+
+
+def _time(fn, *args, iters):
+    try:
+        med, _ = bench(fn, *args, iters=iters, warmup=2, reps=3)
+        return {"median_s": med}
+    except Exception as e:  # noqa: BLE001  (a point that fails is recorded, the sweep goes on)
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def training_points(lengths, iters, results, out):
+    for t in lengths:
+        b = max(1, 16384 // t)
+        ks = jax.random.split(jax.random.key(t), 4)
+        q = jax.random.normal(ks[0], (b, t, H, D), BF16)
+        k = jax.random.normal(ks[1], (b, t, HKV, D), BF16)
+        v = jax.random.normal(ks[2], (b, t, HKV, D), BF16)
+        g = jax.random.normal(ks[3], (b, t, H, D), BF16)
+        flops_fwd = 2 * 2 * b * H * t * t / 2 * D
+        for name, fn in IMPLS.items():
+            fwd = jax.jit(fn)
+            fwd_bwd = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v)[1](g))
+            row = {"kind": "train", "impl": name, "T": t, "batch": b}
+            for label, f, flops in (("fwd", fwd, flops_fwd), ("fwd_bwd", fwd_bwd, 3.5 * flops_fwd)):
+                r = _time(f, q, k, v, iters=iters)
+                row[label] = r
+                if "median_s" in r:
+                    r["tflops"] = flops / r["median_s"] / 1e12
+            results["points"].append(row)
+            print(f"train T={t:6d} B={b:3d} {name:14s} fwd {row['fwd'].get('tflops', row['fwd'].get('error')):}"
+                  f"  fwd+bwd {row['fwd_bwd'].get('tflops', row['fwd_bwd'].get('error'))}", flush=True)
+            write_results(out, results)
+        del q, k, v, g
+
+
+def decode_points(batches, lengths, iters, copy_bps, results, out):
+    for b in batches:
+        for s in lengths:
+            n_pages = s // A.BLOCK_KV
+            pool = b * n_pages
+            kv_bytes = 2 * b * s * HKV * D * 2
+            if kv_bytes > 40e9:
+                continue
+            ks = jax.random.split(jax.random.key(b * s), 3)
+            kp = jax.random.normal(ks[0], (pool, A.BLOCK_KV, HKV, D), BF16)
+            vp = jax.random.normal(ks[1], (pool, A.BLOCK_KV, HKV, D), BF16)
+            table = jnp.asarray(np.random.default_rng(0).permutation(pool).reshape(b, n_pages), jnp.int32)
+            q = jax.random.normal(ks[2], (b, 1, H, D), BF16)
+            pos = jnp.full((b, 1), s - 1, jnp.int32)
+            f = jax.jit(lambda q, kp, vp, table, pos: A.paged_attention(q, kp, vp, table, pos, scale=D**-0.5))
+            r = _time(f, q, kp, vp, table, pos, iters=iters)
+            row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, **r}
+            if "median_s" in r:
+                row["roofline_s"] = kv_bytes / copy_bps
+                row["fraction_of_roofline"] = row["roofline_s"] / r["median_s"]
+            results["points"].append(row)
+            print(f"decode B={b:4d} S={s:6d} {r.get('median_s', r.get('error'))} s  "
+                  f"roofline fraction {row.get('fraction_of_roofline')}", flush=True)
+            write_results(out, results)
+            del kp, vp
+
+
+def copy_bandwidth() -> float:
+    x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
+    med, _ = bench(jax.jit(lambda x: x + 0), x, iters=10)  # reads + writes 1 GiB each
+    return 2 * x.nbytes / med
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="1024,4096,8192,16384", help="training sequence lengths T")
+    p.add_argument("--decode-batches", default="1,64,256", help="decode batch sizes")
+    p.add_argument("--decode-lengths", default="1024,4096,16384", help="decode cache lengths")
+    p.add_argument("--iters", type=int, default=5, help="calls per timing repetition")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: train, decode")
+    p.add_argument("--out", default="experiments/benchmarks/results/attention_h200.json", help="JSON path")
+    a = p.parse_args(argv)
+    dev = jax.devices()[0]
+    results = {"device": dev.device_kind, "jax": jax.__version__, "python": platform.python_version(),
+               "heads": [H, HKV], "head_dim": D, "date": time.strftime("%Y-%m-%d"), "points": []}
+    skip = set(a.skip.split(","))
+    if "train" not in skip:
+        training_points([int(x) for x in a.lengths.split(",")], a.iters, results, a.out)
+    if "decode" not in skip:
+        bps = copy_bandwidth()
+        results["copy_bytes_per_s"] = bps
+        decode_points([int(x) for x in a.decode_batches.split(",")], [int(x) for x in a.decode_lengths.split(",")],
+                      a.iters, bps, results, a.out)
+    write_results(a.out, results)
+
+
+if __name__ == "__main__":
+    main()

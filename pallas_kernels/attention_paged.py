@@ -1,0 +1,85 @@
+"""Attention over a paged KV cache (prefill and decode) with the training forward's exact arithmetic.
+
+A cache row is a sequence; its keys live in pages of BLOCK_KV tokens (page p of the row = key block p), found
+through the row's page table. The query rows of one (batch row, key/value head) are its new tokens times the
+GQA group's query heads, packed into 64-row wgmma tiles (row r = token r // G, head r % G): a decode step's
+8 query heads of a token share one tile and one read of each page. Per key block every row runs the
+training forward's operations (`attention_common.online_softmax_step` between two fresh wgmmas), over
+the same absolute blocks, so a token's output has the forward's bits whatever the batch, the cache length,
+the page order in the pool or the number of tokens decoded at once.
+
+Grid (key/value head, 64-row query tile, batch); one compute warpgroup and one TMA warpgroup that reads the
+pages in table order. A tile visits the blocks up to its last row's position (`n_blocks`, from the wrapper).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention_common import (
+    BLOCK_KV, BLOCK_Q, LOG2E, a_operand, a_staging, block_pipeline, finish_rows, initial_softmax_state, kernel_call,
+    online_softmax_step, row_vector, swizzled, visible_keys, wgmma_fresh)
+from pallas_kernels.interpret import launch
+from pallas_kernels.kernel_cache import traced_once
+
+__all__ = ["paged_rows_attention"]
+
+
+@traced_once("scale", "stages", "interpret")
+def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, *, scale: float,
+                         stages: int, interpret: bool):
+    """q_rows [B, Hkv, R, D] (R a multiple of BLOCK_Q), row_pos / row_start int32 [B, R], n_blocks int32
+    [B, R / BLOCK_Q], k/v_pages [P, BLOCK_KV, Hkv, D], page_table int32 [B, max_pages] -> out [B, Hkv, R, D]."""
+    b, hkv, r, d = q_rows.shape
+    dtype = q_rows.dtype
+    c = float(scale * LOG2E)
+    transforms = swizzled(dtype)
+
+    allocations = [
+        plgpu.SMEM((1, BLOCK_Q, d), dtype, transforms=transforms),
+        plgpu.Barrier(num_barriers=1),
+        a_staging((1, BLOCK_Q, BLOCK_KV), dtype, interpret),
+    ]
+
+    def scoped(q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, o_ref, qo_smem2, q_bar, p_smem2):
+        bi, kvh, rt = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("rows")
+        wg = lax.axis_index("wg")
+        rows = pl.ds(rt * BLOCK_Q, BLOCK_Q)
+        steps = nblk_ref[bi, rt]
+
+        def compute_thread(pipeline):
+            qo_smem = qo_smem2.at[0]
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh, rows], qo_smem, q_bar.at[0])
+            row_pos = row_vector(pos_ref.at[bi, rows])
+            row_start = row_vector(start_ref.at[bi, rows])
+            plgpu.barrier_wait(q_bar.at[0])
+            acc, m_i, l_i = initial_softmax_state(BLOCK_Q, d)
+            acc, m_i, l_i = pipeline((acc, m_i, l_i, row_pos, row_start))[:3]
+            out, _ = finish_rows(acc, m_i, l_i)
+            qo_smem[...] = out.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[bi, kvh, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        def body(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
+            (step,) = idx
+            acc, m_i, l_i, row_pos, row_start = carry
+            qk = wgmma_fresh(qo_smem2.at[0], k_smem.transpose((1, 0)), (BLOCK_Q, BLOCK_KV))
+            plgpu.barrier_arrive(k_consumed)
+            visible = visible_keys(BLOCK_Q, step * BLOCK_KV, row_pos, row_start)
+            p, m_i, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, c)
+            acc = acc + wgmma_fresh(a_operand(p.astype(dtype), p_smem2, wg, interpret), v_smem, (BLOCK_Q, d))
+            plgpu.barrier_arrive(v_consumed)
+            return acc, m_i, l_i, row_pos, row_start
+
+        page_spec = plgpu.BlockSpec((None, BLOCK_KV, d), lambda s: (pt_ref[bi, s], 0, 0), transforms=transforms)
+        pipeline = block_pipeline(body, steps, [page_spec, page_spec], stages=stages, compute_wgs=1,
+                                  compute_thread=compute_thread)
+        pipeline(k_ref.at[:, :, kvh, :], v_ref.at[:, :, kvh, :])
+
+    call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, r // BLOCK_Q, b),
+                       ("kv_heads", "rows", "batch"), 1)
+    return launch(call, q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, interpret=interpret)

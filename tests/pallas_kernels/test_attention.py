@@ -1,0 +1,172 @@
+"""The flash-attention family against its float64 reference, its gradients against autodiff of a float32 reference,
+and the invariance the kernels are built for (paged prefill / decode == the training forward, bit for bit).
+
+CPU: Mosaic GPU's interpreter (small shapes). The bitwise checks compare products of tiles whose other rows differ,
+so on CPU they rest on XLA:CPU's dots being row invariant (marker row_invariant_cpu); on the GPU they rest on wgmma.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import attention as A
+
+BF16 = jnp.bfloat16
+
+
+def _qkv(b, t, h, hkv, d, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(ks[0], (b, t, h, d)).astype(BF16), jax.random.normal(ks[1], (b, t, hkv, d)).astype(BF16),
+            jax.random.normal(ks[2], (b, t, hkv, d)).astype(BF16))
+
+
+def _pages(k, v, n_pages, pool, seed=0):
+    """The rows' keys in pages of a pool, in a random page order (a page table per row)."""
+    b, t, hkv, d = k.shape
+    table = np.random.default_rng(seed).permutation(pool)[: b * n_pages].reshape(b, n_pages)
+    kp = np.zeros((pool, A.BLOCK_KV, hkv, d), np.float32)
+    vp = np.zeros_like(kp)
+    pad = ((0, 0), (0, n_pages * A.BLOCK_KV - t), (0, 0), (0, 0))
+    kk, vv = (np.pad(np.asarray(x.astype(jnp.float32)), pad) for x in (k, v))
+    for i in range(b):
+        for j in range(n_pages):
+            kp[table[i, j]] = kk[i, j * A.BLOCK_KV:(j + 1) * A.BLOCK_KV]
+            vp[table[i, j]] = vv[i, j * A.BLOCK_KV:(j + 1) * A.BLOCK_KV]
+    return jnp.asarray(kp, BF16), jnp.asarray(vp, BF16), jnp.asarray(table, jnp.int32)
+
+
+def _interpret():
+    return not any(d.platform == "gpu" for d in jax.devices())
+
+
+@pytest.mark.parametrize("h,hkv,d", [(4, 4, 64), (4, 1, 64), (8, 1, 128)])
+def test_forward_matches_float64_reference(h, hkv, d):
+    b, t = 1, 200  # not a multiple of the block; three segments, one of a single token
+    q, k, v = _qkv(b, t, h, hkv, d)
+    seg = jnp.array([[0] * 70 + [1] * 1 + [2] * 129])
+    out = A.flash_attention(q, k, v, seg, scale=d**-0.5, interpret=_interpret())
+    ref = A.reference_attention(q, k, v, A.segment_starts(seg, b, t), scale=d**-0.5)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_one_token_rows():
+    q, k, v = _qkv(2, 1, 4, 2, 64)
+    out = A.flash_attention(q, k, v, scale=0.125, interpret=_interpret())
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.repeat(v, 2, axis=2)))  # softmax of one key is 1
+
+
+def test_gradients_match_autodiff_of_reference():
+    b, t, h, hkv, d = 1, 150, 4, 2, 64
+    q, k, v = _qkv(b, t, h, hkv, d, seed=1)
+    g = jax.random.normal(jax.random.key(9), (b, t, h, d)).astype(BF16)
+    seg = jnp.array([[0] * 60 + [1] * 90])
+    sc = d**-0.5
+    starts = A.segment_starts(seg, b, t)
+
+    def ref(q, k, v):
+        qg = q.reshape(b, t, hkv, h // hkv, d)
+        s = jnp.einsum("btkgd,bskd->btkgs", qg, k) * sc
+        key = jnp.arange(t)[None, None, :]
+        vis = ((key <= jnp.arange(t)[None, :, None]) & (key >= starts[:, :, None]))[:, :, None, None, :]
+        p = jax.nn.softmax(jnp.where(vis, s, -jnp.inf), -1)
+        return jnp.einsum("btkgs,bskd->btkgd", p, v).reshape(b, t, h, d)
+
+    _, vjp = jax.vjp(lambda q, k, v: A.flash_attention(q, k, v, seg, scale=sc, interpret=_interpret()), q, k, v)
+    _, rvjp = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, got, want in zip("qkv", vjp(g), rvjp(g.astype(jnp.float32))):
+        err = np.abs(np.asarray(got, np.float32) - np.asarray(want)).max()
+        assert err < 2e-2 * np.abs(np.asarray(want)).max(), (name, err)
+
+
+def test_paged_matches_reference_with_shuffled_pages():
+    b, t, h, hkv, d = 2, 300, 8, 2, 64
+    q, k, v = _qkv(b, t, h, hkv, d, seed=2)
+    kp, vp, table = _pages(k, v, 3, 8)
+    pos = jnp.broadcast_to(jnp.arange(200, 264, dtype=jnp.int32), (b, 64))
+    out = A.paged_attention(q[:, 200:264], kp, vp, table, pos, scale=d**-0.5, interpret=_interpret())
+    ref = A.reference_paged_attention(q[:, 200:264], kp, vp, table, pos, scale=d**-0.5)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_gives_the_training_forward_bits():
+    """One query per row over a paged cache (random page order, rows of different lengths) == the full forward."""
+    b, t, h, hkv, d = 2, 300, 8, 2, 64
+    q, k, v = _qkv(b, t, h, hkv, d, seed=3)
+    full = np.asarray(A.flash_attention(q, k, v, scale=d**-0.5, interpret=_interpret()).astype(jnp.float32))
+    kp, vp, table = _pages(k, v, 3, 8, seed=3)
+    pos = np.array([299, 130])
+    qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
+    out = np.asarray(A.paged_attention(qd, kp, vp, table, jnp.asarray(pos)[:, None], scale=d**-0.5,
+                                       interpret=_interpret()).astype(jnp.float32))
+    for i in range(b):
+        np.testing.assert_array_equal(out[i, 0], full[i, pos[i]])
+
+
+@pytest.mark.row_invariant_cpu
+def test_prefill_and_batch_give_the_training_forward_bits():
+    b, t, h, hkv, d = 2, 300, 8, 2, 64
+    q, k, v = _qkv(b, t, h, hkv, d, seed=4)
+    full = np.asarray(A.flash_attention(q, k, v, scale=d**-0.5, interpret=_interpret()).astype(jnp.float32))
+    alone = np.asarray(A.flash_attention(q[1:, :180], k[1:, :180], v[1:, :180], scale=d**-0.5,
+                                         interpret=_interpret()).astype(jnp.float32))
+    np.testing.assert_array_equal(alone[0], full[1, :180])
+    kp, vp, table = _pages(k, v, 3, 8, seed=4)
+    pos = jnp.broadcast_to(jnp.arange(200, 264, dtype=jnp.int32), (b, 64))
+    out = A.paged_attention(q[:, 200:264], kp, vp, table, pos, scale=d**-0.5, interpret=_interpret())
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, 200:264])
+
+
+def test_bad_shapes_name_themselves():
+    q, k, v = _qkv(1, 8, 4, 3, 64)
+    with pytest.raises(ValueError, match="do not divide"):
+        A.flash_attention(q, k, v, scale=1.0, interpret=True)
+    q, k, v = _qkv(1, 8, 4, 2, 96)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        A.flash_attention(q, k, v, scale=1.0, interpret=True)
+
+
+@pytest.mark.gpu
+def test_gpu_long_rows_bits_and_accuracy():
+    """4k tokens, Qwen3-30B-A3B heads (32 / 4 of 128): paged decode / prefill == forward bits; forward accurate."""
+    b, t, h, hkv, d = 2, 4096, 32, 4, 128
+    q, k, v = _qkv(b, t, h, hkv, d, seed=5)
+    sc = d**-0.5
+    full = np.asarray(A.flash_attention(q, k, v, scale=sc).astype(jnp.float32))
+    ref = A.reference_attention(q[:, :512], k[:, :512], v[:, :512], np.zeros((b, 512), np.int32), scale=sc)
+    np.testing.assert_allclose(full[:, :512], ref, atol=2e-2, rtol=2e-2)
+    n_pages = t // A.BLOCK_KV
+    kp, vp, table = _pages(k, v, n_pages, 2 * n_pages + 3, seed=5)
+    pos = np.array([4095, 1000])
+    qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
+    out = np.asarray(A.paged_attention(qd, kp, vp, table, jnp.asarray(pos)[:, None], scale=sc).astype(jnp.float32))
+    for i in range(b):
+        np.testing.assert_array_equal(out[i, 0], full[i, pos[i]])
+    pre = jnp.broadcast_to(jnp.arange(0, 256, dtype=jnp.int32), (b, 256))
+    out = A.paged_attention(q[:, :256], kp, vp, table, pre, scale=sc)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
+    alone = np.asarray(A.flash_attention(q[1:, :3000], k[1:, :3000], v[1:, :3000], scale=sc).astype(jnp.float32))
+    np.testing.assert_array_equal(alone[0], full[1, :3000])
+
+
+@pytest.mark.gpu
+def test_gpu_gradients():
+    b, t, h, hkv, d = 1, 1024, 32, 4, 128
+    q, k, v = _qkv(b, t, h, hkv, d, seed=6)
+    g = jax.random.normal(jax.random.key(7), (b, t, h, d)).astype(BF16)
+    seg = jnp.array([[0] * 300 + [1] * 724])
+    _, vjp = jax.vjp(lambda q, k, v: A.flash_attention(q, k, v, seg, scale=d**-0.5), q, k, v)
+    starts = A.segment_starts(seg, b, t)
+
+    def ref(q, k, v):
+        qg = q.reshape(b, t, hkv, h // hkv, d)
+        s = jnp.einsum("btkgd,bskd->btkgs", qg, k, precision="highest") * d**-0.5
+        key = jnp.arange(t)[None, None, :]
+        vis = ((key <= jnp.arange(t)[None, :, None]) & (key >= starts[:, :, None]))[:, :, None, None, :]
+        p = jax.nn.softmax(jnp.where(vis, s, -jnp.inf), -1)
+        return jnp.einsum("btkgs,bskd->btkgd", p, v, precision="highest").reshape(b, t, h, d)
+
+    _, rvjp = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, got, want in zip("qkv", vjp(g), rvjp(g.astype(jnp.float32))):
+        err = np.abs(np.asarray(got, np.float32) - np.asarray(want)).max()
+        assert err < 2e-2 * np.abs(np.asarray(want)).max(), (name, err)
