@@ -250,7 +250,7 @@ def point_config(args, recipe: str, length: int, workdir: str):
     r.max_new_tokens = length
     r.max_batch = s["rows"]  # every row of a step decodes together
     r.routing_replay = True  # R3
-    r.ignore_eos = True  # every response exactly `length` tokens (a new key; train.py reads it with a fallback)
+    r.ignore_eos = True  # every response exactly `length` tokens (no stop ids)
     c.rl.use_tis = True
     c.rl.tis_clip = 2.0
     c.rl.learning_rate = 1e-6
@@ -271,10 +271,8 @@ def point_config(args, recipe: str, length: int, workdir: str):
 
 def validate_point(c) -> None:
     from jaxrl_fp8.config import validate_config
-    from jaxrl_fp8.train import _validate_optional_keys
 
     validate_config(c)
-    _validate_optional_keys(c)
 
 
 def param_counts(model: dict, layers: int) -> dict:

@@ -107,17 +107,6 @@ def _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer, plan=No
     return engine, engine.push_model
 
 
-def _validate_optional_keys(c) -> None:
-    """Keys a config may carry beyond base_config (benchmarks set them): rollout.ignore_eos, rl.logprob_chunk_rows."""
-    from jaxrl_fp8.config import ConfigError
-
-    if not isinstance(c.rollout.get("ignore_eos", False), bool):
-        raise ConfigError(f"config.rollout.ignore_eos: must be a bool, got {c.rollout.ignore_eos!r}")
-    chunk = c.rl.get("logprob_chunk_rows", 0)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-        raise ConfigError(f"config.rl.logprob_chunk_rows: must be an int >= 0 (0: the whole batch at once), got {chunk!r}")
-
-
 def run(c, on_step=None) -> str:
     """Train as configured; returns the workdir. Importable for tests and benchmarks (`run(config)`).
 
@@ -128,7 +117,6 @@ def run(c, on_step=None) -> str:
     from jaxrl_fp8.config import validate_config
 
     validate_config(c)  # before anything heavy is imported or computed
-    _validate_optional_keys(c)
     from jaxrl_fp8 import distributed
 
     distributed.initialize(c.distributed)  # multi-host: before any device is touched
@@ -182,7 +170,7 @@ def run(c, on_step=None) -> str:
         num_minibatches=c.rl.num_minibatches, loss=loss_cfg, backward=recipe.backward,
         compute_dtype=jnp.bfloat16 if c.model.dtype == "bfloat16" else jnp.float32, seed=c.seed,
         eval_every_steps=c.logging.eval_every_steps, use_ref=c.rl.kl_coef > 0,
-        ignore_eos=bool(c.rollout.get("ignore_eos", False)), logprob_chunk_rows=int(c.rl.get("logprob_chunk_rows", 0)))
+        ignore_eos=c.rollout.ignore_eos, logprob_chunk_rows=c.rl.logprob_chunk_rows)
     optimizer, schedule = make_optimizer(c.rl, c.total_steps * c.rl.num_minibatches)
     trainer = Trainer(model=model, settings=settings, optimizer=optimizer, schedule=schedule, engine=engine,
                       tokenizer=tokenizer, loader=loader, reward_fn=reward_fn, train_policy=train_policy,
