@@ -14,12 +14,17 @@
 #   bash experiments/h200_runs.sh diag       # GPU vs CPU bits of the XLA quantizers per XLA flag set (experiments/checks)
 #   bash experiments/h200_runs.sh invariance # which forward ops are row invariant on the GPU (experiments/checks)
 #   bash experiments/h200_runs.sh parallel 540   # the whole mismatch sweep and the recipe curves at once (below)
+#   bash experiments/h200_runs.sh rl_step    # issue 23's RL step yardstick, 1k responses (bf16, fp8_block, then mixed)
+#   bash experiments/h200_runs.sh rl_step_long  # the same at 4k responses (bf16, fp8_block, then mixed if time is left)
 # decode and mismatch write their JSON after every point / size, so a stage cut short keeps what it measured.
 # The GPU image lacks ml_collections, grain (+ array_record, portpicker) and tensorboardX: download their wheels into
 # .whl/ (the versions of .venv; `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux2014_x86_64 ...`), carry .whl and install them into a folder on PYTHONPATH first:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-# (without grain and tensorboardX every training run - the recipe curves - stops at its first import).
+# (without grain and tensorboardX every training run - the recipe curves - stops at its first import). The rl_step
+# stages do this themselves when .whl/ was carried (train_deps below). Wheels (cp312, manylinux): grain 0.2.18,
+# array_record 0.8.6, ml_collections 1.1.0, tensorboardX 2.6.5, portpicker 1.6.0, cloudpickle 3.1.3 (their other
+# dependencies - absl-py, etils, protobuf, psutil, PyYAML, packaging, numpy - come with orbax / matplotlib on the image).
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200_out}
@@ -99,7 +104,29 @@ ncu_nvfp4() {
       "$rep" | head -20
 }
 
+# the training loop's imports (grain, ml_collections, tensorboardX): from the carried .whl/ when the image lacks them
+train_deps() {
+  if ! $PY -c "import grain, ml_collections, tensorboardX" 2>/dev/null; then
+    ls .whl/*.whl > /dev/null 2>&1 || { echo "error: grain / ml_collections / tensorboardX missing and no .whl/ carried"; return 1; }
+    $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | grep -v "^WARNING" | tail -3
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+    $PY -c "import grain, ml_collections, tensorboardX" || return 1
+  fi
+}
+# rl_step LENGTH DEADLINE_S NAME: issue 23's yardstick at one response length (experiments/benchmarks/rl_step.py):
+# every point a process of its own (its peak memory its own), JSON after every point, points that would not finish
+# before the deadline skipped and recorded; preallocating 94 % of the GPU (the default 75 % leaves ~35 GB unused).
+rl_step() {
+  train_deps || return 1
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout $(( $2 + 30 )) \
+    $PY experiments/benchmarks/rl_step.py --response-lengths "$1" --recipes "${RL_STEP_RECIPES:-bf16,fp8_block,bf16_train_fp8_rollout}" \
+      --time-budget "$2" --compile-cache /tmp/jax_cache --runs-dir "$OUT/rl_step_runs" --out "$OUT/$3.json" \
+      ${RL_STEP_ARGS:-} 2>&1 | quiet | tee "$OUT/$3.log" | grep -E '^\[rl_step\]|^recipe|^---|^(bf16|fp8)|tokens:|rror' 
+}
+
 case "${1:-}" in
+  rl_step) rl_step 1024 "${2:-540}" rl_step_h200_1k ;;
+  rl_step_long) rl_step 4096 "${2:-540}" rl_step_h200_4k ;;
   parallel) parallel "${2:-540}" ;;
   invariance) $PY experiments/checks/row_invariance.py --out "$OUT/row_invariance_h200.json" 2>&1 | quiet | tee "$OUT/invariance.log" ;;
   diag) $PY experiments/checks/nvfp4_gpu_diag.py --out "$OUT" --quick 2>&1 | quiet | tee "$OUT/diag.log" ;;
@@ -140,5 +167,5 @@ case "${1:-}" in
               --append --out "$OUT/mismatch_h200" --compile-cache /tmp/jax_cache --no-progress 2>&1 | tail -20 ;;
   curves) $PY experiments/recipe_curves.py --steps 100 --set data.prompts_per_step=64 --out "$OUT/recipe_curves_h200" \
               --runs-dir "$OUT/runs" --overwrite 2>&1 | tail -20 ;;
-  *) sed -n 2,14p "$0"; exit 2 ;;
+  *) sed -n 2,18p "$0"; exit 2 ;;
 esac

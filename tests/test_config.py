@@ -25,6 +25,8 @@ def test_defaults_and_shipped_configs_validate():
     ("model.num_key_value_heads", 3, "config.model.num_key_value_heads"),
     ("model.checkpoint", "/nonexistent", "config.model.checkpoint"),
     ("total_steps", 0, "config.total_steps"),
+    ("rollout.ignore_eos", None, "config.rollout.ignore_eos: must be a bool"),
+    ("rl.logprob_chunk_rows", -1, "config.rl.logprob_chunk_rows: must be an int >= 0"),
 ])
 def test_bad_values_name_their_key(key, value, msg):
     c = base_config()

@@ -20,7 +20,8 @@ from jaxrl_fp8.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "experiments", "configs", "tiny.py")
-TIMING = {"time", "rollout_seconds", "train_seconds", "sync_seconds", "step_seconds", "tokens_per_second"}
+TIMING = {"time", "rollout_seconds", "train_seconds", "logprob_seconds", "update_seconds", "sync_seconds", "step_seconds",
+          "tokens_per_second"}
 STEPS, EVERY = 12, 3
 TIMEOUT = 600
 

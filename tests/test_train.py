@@ -8,7 +8,8 @@ import pytest
 from jaxrl_fp8.config import base_config
 from jaxrl_fp8.metrics import read_metrics
 
-TIMING = {"time", "rollout_seconds", "train_seconds", "sync_seconds", "step_seconds", "tokens_per_second"}
+TIMING = {"time", "rollout_seconds", "train_seconds", "logprob_seconds", "update_seconds", "sync_seconds", "step_seconds",
+          "tokens_per_second"}
 
 
 def small_config(workdir, recipe, steps=2):
@@ -75,3 +76,39 @@ def test_resume_reproduces_next_step(tmp_path):
     for key, value in a[2].items():
         if key not in TIMING:
             assert b[2][key] == value, (key, value, b[2][key])
+
+
+@pytest.mark.slow
+def test_run_benchmark_keys_on_step_ignore_eos_chunked_logprobs(tmp_path):
+    """What experiments/benchmarks/rl_step.py relies on: `run(c, on_step=...)` sees every step's metrics (with the
+    train phase split into logprob + update seconds), `rollout.ignore_eos` makes every response max_new_tokens long
+    (the built-in tokenizer's ~24-id vocabulary samples its EOS often at random init), and old log-probs recomputed
+    in chunks (`rl.logprob_chunk_rows`, 16 rows in chunks of 3: a shorter last chunk) still equal the unified
+    rollout's bit for bit."""
+    from jaxrl_fp8.config import ConfigError
+    from jaxrl_fp8.train import run
+
+    c = small_config(tmp_path, "fp8_block", steps=2)
+    c.checkpoint.save = False
+    c.rollout.max_new_tokens = 6
+    c.rollout.ignore_eos = True
+    c.rl.logprob_chunk_rows = 3
+    seen = []
+
+    def on_step(step, metrics):
+        seen.append((step, dict(metrics)))
+        metrics["extra_from_callback"] = 1.5
+
+    run(c, on_step=on_step)
+    assert [s for s, _ in seen] == [1, 2]
+    recs = read_metrics(str(tmp_path))
+    for (_, m), r in zip(seen, recs):
+        assert r["extra_from_callback"] == 1.5
+        assert m["train_seconds"] == pytest.approx(m["logprob_seconds"] + m["update_seconds"])
+        assert m["logprob_seconds"] > 0 and m["update_seconds"] > 0
+        assert m["response_length"] == 6.0 and m["truncated_frac"] == 1.0, m
+        assert m["train_rollout_logprob_abs_diff"] == 0.0 and m["train_rollout_max_abs_diff"] == 0.0
+    bad = small_config(tmp_path / "bad", "bf16")
+    bad.rl.logprob_chunk_rows = -1
+    with pytest.raises(ConfigError, match="config.rl.logprob_chunk_rows"):
+        run(bad)

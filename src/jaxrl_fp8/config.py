@@ -80,6 +80,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = 8
     c.rollout.routing_replay = True  # R3: replay rollout expert selection in the trainer
     c.rollout.max_batch = 256
+    # True: no stop ids, every sampled response runs to max_new_tokens (SGLang's ignore_eos); for benchmarks whose
+    # steps must have a fixed token count
+    c.rollout.ignore_eos = False
     # embedded engine with more than one device: "separate" = on one device of its own (sharded weights are
     # copied there); "collocated" = on the training mesh with the trainer's sharded weights (docs/decisions/0009)
     c.rollout.placement = "separate"
@@ -98,6 +101,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.entropy_coef = 0.0
     c.rl.loss_agg = "token_mean"  # token_mean | seq_mean_token_mean
     c.rl.num_minibatches = 1  # optimizer steps per rollout batch
+    # > 0: the old (and reference) log-probs are recomputed in chunks of this many rows instead of the whole rollout
+    # batch at once, bounding that pass's peak memory (B x T x vocab float32 logits); same values (rows are
+    # independent). 0: the whole batch at once. Multi-host runs always take the whole (global) batch.
+    c.rl.logprob_chunk_rows = 0
     c.rl.learning_rate = 1e-6
     c.rl.lr_schedule = "constant"  # constant | cosine
     c.rl.warmup_steps = 0
@@ -173,6 +180,7 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     _check(r.temperature > 0, "rollout.temperature", "must be > 0")
     _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    _check(isinstance(r.ignore_eos, bool), "rollout.ignore_eos", f"must be a bool, got {r.ignore_eos!r}")
     rl = c.rl
     _check(rl.advantage in ("grpo", "rloo", "reinforce"), "rl.advantage", f"{rl.advantage!r}: grpo | rloo | reinforce")
     _check(0 < rl.eps_clip < 1, "rl.eps_clip", "must be in (0, 1)")
@@ -184,6 +192,9 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     _check(rl.learning_rate > 0, "rl.learning_rate", "must be > 0")
     _check(rl.lr_schedule in ("constant", "cosine"), "rl.lr_schedule", f"{rl.lr_schedule!r}: constant | cosine")
     _check(rl.num_minibatches >= 1, "rl.num_minibatches", "must be >= 1")
+    chunk = rl.logprob_chunk_rows
+    _check(isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0, "rl.logprob_chunk_rows",
+           f"must be an int >= 0 (0: the whole batch at once), got {chunk!r}")
     total = d.prompts_per_step * r.n_samples
     _check(total % rl.num_minibatches == 0, "rl.num_minibatches", f"must divide prompts_per_step*n_samples={total}")
     _check(rl.grad_clip >= 0, "rl.grad_clip", "must be >= 0 (0 disables)")

@@ -65,7 +65,8 @@ def _model(c, vocab_size: int):
                       num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                       moe_intermediate_size=m.moe_intermediate_size, intermediate_size=m.intermediate_size,
                       decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=tuple(m.mlp_only_layers),
-                      norm_topk_prob=m.norm_topk_prob, tie_word_embeddings=m.tie_word_embeddings, rope_theta=m.rope_theta)
+                      norm_topk_prob=m.norm_topk_prob, tie_word_embeddings=m.tie_word_embeddings, rope_theta=m.rope_theta,
+                      **({"attention_impl": m.attention_impl} if "attention_impl" in m else {}))
     if jax.device_count() > 1 and jax.default_backend() != "cpu":
         # sharded runs: random FP32 masters on the host, the trainer shards them (a 30B model fits no one GPU)
         with jax.default_device(jax.devices("cpu")[0]):
@@ -106,8 +107,13 @@ def _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer, plan=No
     return engine, engine.push_model
 
 
-def run(c) -> str:
-    """Train as configured; returns the workdir. Importable for tests (`run(config)`)."""
+def run(c, on_step=None) -> str:
+    """Train as configured; returns the workdir. Importable for tests and benchmarks (`run(config)`).
+
+    on_step: optional `on_step(step, metrics)` called after every RL step with the step's metrics (the trainer's
+    phase timers `rollout_seconds`, `train_seconds` = `logprob_seconds` + `update_seconds`, `sync_seconds`,
+    `step_seconds`, and the mismatch metrics), before they are written; it may add keys to `metrics` (written too).
+    """
     from jaxrl_fp8.config import validate_config
 
     validate_config(c)  # before anything heavy is imported or computed
@@ -163,7 +169,8 @@ def run(c) -> str:
         routing_replay=c.rollout.routing_replay and model.cfg.is_moe, advantage=c.rl.advantage, std_normalize=c.rl.std_normalize,
         num_minibatches=c.rl.num_minibatches, loss=loss_cfg, backward=recipe.backward,
         compute_dtype=jnp.bfloat16 if c.model.dtype == "bfloat16" else jnp.float32, seed=c.seed,
-        eval_every_steps=c.logging.eval_every_steps, use_ref=c.rl.kl_coef > 0)
+        eval_every_steps=c.logging.eval_every_steps, use_ref=c.rl.kl_coef > 0,
+        ignore_eos=c.rollout.ignore_eos, logprob_chunk_rows=c.rl.logprob_chunk_rows)
     optimizer, schedule = make_optimizer(c.rl, c.total_steps * c.rl.num_minibatches)
     trainer = Trainer(model=model, settings=settings, optimizer=optimizer, schedule=schedule, engine=engine,
                       tokenizer=tokenizer, loader=loader, reward_fn=reward_fn, train_policy=train_policy,
@@ -188,6 +195,8 @@ def run(c) -> str:
         metrics = trainer.train_step()
         if c.logging.eval_every_steps and eval_records and (trainer.step % c.logging.eval_every_steps == 0 or trainer.step == c.total_steps):
             metrics["eval_reward_mean"] = _evaluate(trainer, eval_records, tokenizer, reward_fn, eval_loader_cfg)
+        if on_step is not None:
+            on_step(trainer.step, metrics)
         writer.write(trainer.step, metrics)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", mismatch=f"{metrics['train_rollout_logprob_abs_diff']:.2g}",

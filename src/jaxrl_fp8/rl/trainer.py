@@ -55,6 +55,14 @@ class TrainerSettings:
     seed: int
     eval_every_steps: int = 0
     use_ref: bool = False
+    # True: sampled responses run to max_new_tokens (no stop ids, SGLang's ignore_eos), e.g. for benchmarks whose
+    # step must have a fixed token count
+    ignore_eos: bool = False
+    # > 0: the old (and reference) log-probs are recomputed in chunks of this many rows instead of the whole rollout
+    # batch at once, so that pass's peak memory (B x T x vocab float32 logits) does not grow with the batch.
+    # A row's log-probs do not depend on the rows beside it (row-invariant model), so the values are the same.
+    # Single-process only (multi-host batches are global arrays: the whole batch at once, as with 0).
+    logprob_chunk_rows: int = 0
 
 
 def make_optimizer(rl_cfg, total_updates: int) -> tuple[optax.GradientTransformation, Callable]:
@@ -176,9 +184,9 @@ class Trainer:
 
     # -- one RL step ----------------------------------------------------------------------------------
     def sampling(self, step: int, greedy: bool = False) -> SamplingParams:
-        stop = tuple(self.tokenizer.stop_ids)
+        stop = () if self.s.ignore_eos else tuple(self.tokenizer.stop_ids)
         return SamplingParams(temperature=0.0 if greedy else self.s.temperature, top_p=self.s.top_p, top_k=self.s.top_k,
-                              max_new_tokens=self.s.max_new_tokens, stop_token_ids=stop,
+                              max_new_tokens=self.s.max_new_tokens, stop_token_ids=stop, ignore_eos=self.s.ignore_eos,
                               n=1 if greedy else self.s.n_samples, seed=(self.s.seed * 1_000_003 + step) % (2**31 - 1))
 
     def rollout(self, batch, step: int):
@@ -196,6 +204,17 @@ class Trainer:
         if self.s.advantage == "rloo":
             return np.asarray(adv_lib.rloo_advantages(rewards, self.s.n_samples))
         return np.asarray(adv_lib.reinforce_advantages(rewards))
+
+    def old_logprobs(self, params, tokens, routed):
+        """Log-probs of `tokens` under `params` (training format, R3 replay), in chunks of `logprob_chunk_rows` rows."""
+        n, chunk = int(tokens.shape[0]), self.s.logprob_chunk_rows
+        if chunk <= 0 or chunk >= n or jax.process_count() > 1:
+            return self._logprob_jit(params, tokens, routed)
+        parts = []
+        for start in range(0, n, chunk):  # a shorter last chunk compiles its own program (once per run)
+            sl = slice(start, min(start + chunk, n))
+            parts.append(self._logprob_jit(params, tokens[sl], None if routed is None else routed[sl]))
+        return jnp.concatenate(parts, axis=0)
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
@@ -215,7 +234,7 @@ class Trainer:
         put = (lambda x: jnp.asarray(x)) if not multi else (lambda x: self.plan.put_batch({"x": x}, process_local=True)["x"])
         tokens = put(tb.tokens)
         routed = put(tb.routed_experts) if tb.routed_experts is not None else None
-        old_logp = self._logprob_jit(self.params, tokens, routed)
+        old_logp = self.old_logprobs(self.params, tokens, routed)
         mask = put(tb.response_mask)
         rollout_logp = put(tb.rollout_logp)
         mm = self._mismatch_fn(old_logp, rollout_logp, mask, self.s.loss.tis_clip_low, self.s.loss.tis_clip)
@@ -223,7 +242,9 @@ class Trainer:
         if routed is not None:
             data["routed"] = routed
         if self.ref_params is not None:
-            data["ref_logp"] = self._logprob_jit(self.ref_params, tokens, routed)
+            data["ref_logp"] = self.old_logprobs(self.ref_params, tokens, routed)
+        jax.block_until_ready((mm, data))  # the phase timers below (logprob vs update) measure finished work
+        t_logprob = time.perf_counter() - t1
         if multi:
             data = {k: distributed.local_rows(v) for k, v in data.items()}
         per_mb = len(samples) // self.s.num_minibatches
@@ -240,6 +261,7 @@ class Trainer:
         skipped = sum(1 for m in mb_metrics if m["finite"] < 1)
         self.skipped_updates += skipped
         t_train = time.perf_counter() - t1
+        t_update = t_train - t_logprob
 
         t2 = time.perf_counter()
         self.step += 1
@@ -262,7 +284,9 @@ class Trainer:
             "skipped_updates": float(skipped),
             "skipped_updates_total": float(self.skipped_updates),
             "rollout_seconds": t_rollout,
-            "train_seconds": t_train,
+            "train_seconds": t_train,  # = logprob_seconds + update_seconds
+            "logprob_seconds": t_logprob,  # batch layout, old (and reference) log-probs, mismatch metrics
+            "update_seconds": t_update,  # the minibatch forward / backward / optimizer updates
             "sync_seconds": t_sync,
             "step_seconds": total,
             "tokens_per_second": n_tokens / max(total, 1e-9),

@@ -1,0 +1,154 @@
+"""experiments/benchmarks/rl_step.py (issue 23's RL step yardstick) on CPU: `--tiny` drives the real trainer loop for
+2 steps of one recipe in a subprocess and writes the JSON + PNG; a point that fails is recorded with its error and the
+run goes on; the fp8-vs-bf16 comparison (ratios, targets, the phase holding it back) on hand-made points."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "benchmarks" / "rl_step.py"
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _run(tmp_path, *extra, name="r.json"):
+    out = tmp_path / name
+    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--fast-compile", "--out", str(out),
+                        "--runs-dir", str(tmp_path / "runs"), *extra],
+                       env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, f"{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
+    return json.loads(out.read_text()), out, p.stdout
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("rl_step_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_tiny_two_steps_of_fp8_block(tmp_path):
+    res, out, stdout = _run(tmp_path, "--recipes", "fp8_block", "--steps", "2")
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert res["benchmark"] == "rl_step" and res["tiny"] is True
+    assert res["device"]["platform"] == "cpu" and set(res["versions"]) >= {"python", "jax", "jaxlib"}
+    assert res["shapes"]["layers"] == {"16": 2} and res["shapes"]["params"]["16"]["total"] > 0
+    assert res["shapes"]["model"]["num_experts"] == 16 and res["shapes"]["memory_estimate"]["16"]["update_peak_bytes"] > 0
+    assert res["memory_note"]  # XLA:CPU: no allocator statistics
+    (point,) = res["points"]
+    assert point["recipe"] == "fp8_block" and point["response_tokens"] == 16 and point["status"] == "ok", point.get("error")
+    cfg = point["config"]
+    assert cfg["rollout"]["ignore_eos"] and cfg["rollout"]["routing_replay"] and cfg["rl"]["use_tis"]
+    assert cfg["rollout"]["engine"] == "embedded" and cfg["model"]["num_experts"] == 16 and cfg["model"]["num_hidden_layers"] == 2
+    assert point["sizes"] == {"layers": 2, "prompts": 2, "samples": 2, "batch": 2, "steps": 2, "rows": 4, "logprob_chunk": 2}
+    assert [r["step"] for r in point["rows"]] == [1, 2]
+    for row in point["rows"]:
+        assert row["response_length"] == 16.0 and row["truncated_frac"] == 1.0  # EOS suppressed: lengths as asked
+        assert row["train_seconds"] == pytest.approx(row["logprob_seconds"] + row["update_seconds"])
+        assert row["peak_bytes_in_use"] is None
+    s = point["summary"]
+    assert s["steps_measured"] == [2] and s["warmup_excluded"] == 1  # the compiling step is left out
+    for key in ("rollout_seconds", "logprob_seconds", "update_seconds", "train_seconds", "sync_seconds", "step_seconds"):
+        assert isinstance(s["median"][key], float) and s["median"][key] > 0, key
+    assert s["response_tokens_per_step"] == 16 * 4
+    assert s["tokens_per_second_end_to_end"] == pytest.approx(64 / s["median"]["step_seconds"])
+    for ph in ("rollout", "train", "sync"):
+        assert s["tokens_per_second_per_phase"][ph] > 0
+    # unified FP8 with R3 on CPU: the trainer's recomputed log-probs equal the rollout's bit for bit
+    assert s["median"]["train_rollout_logprob_abs_diff"] == 0.0 and s["median"]["train_rollout_kl"] == 0.0
+    assert res["comparison"]["16"]["fp8_block_vs_bf16"] is None  # bf16 not run
+    assert "fp8_block" in stdout and "step" in stdout
+
+
+@pytest.mark.slow
+def test_a_failing_point_is_recorded_and_the_run_goes_on(tmp_path):
+    # a vocabulary smaller than the tokenizer's passes validate_config but is refused when the model is built
+    res, out, _ = _run(tmp_path, "--recipes", "bf16,fp8_block", "--steps", "1", "--set", "model.vocab_size=8")
+    assert [p["status"] for p in res["points"]] == ["error", "error"]
+    for p in res["points"]:
+        assert "vocab_size" in p["error"] and p["traceback"] and p["summary"] is None
+    assert out.with_suffix(".png").exists()
+
+
+def test_bad_flags_fail_before_any_point(tmp_path):
+    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--recipes", "fp8_block", "--batch", "3",
+                        "--out", str(tmp_path / "r.json"), "--runs-dir", str(tmp_path / "runs")],
+                       env=_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2 and "--batch 3 must divide" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "r.json").exists()
+
+
+def _point(recipe, rollout, logprob, update, sync, peak, rows=(1, 2, 3)):
+    step = rollout + logprob + update + sync
+    mk = lambda i: dict(step=i, rollout_seconds=rollout * (5 if i == 1 else 1), logprob_seconds=logprob,  # noqa: E731
+                        update_seconds=update, train_seconds=logprob + update, sync_seconds=sync,
+                        step_seconds=step + (4 * rollout if i == 1 else 0), tokens_per_second=1.0, response_length=100.0,
+                        train_rollout_logprob_abs_diff=0.0, train_rollout_kl=0.0, peak_bytes_in_use=peak)
+    return dict(recipe=recipe, response_tokens=100, status="ok", sizes=dict(rows=10), rows=[mk(i) for i in rows])
+
+
+def test_comparison_ratios_targets_and_the_phase_holding_back(bench):
+    points = [_point("bf16", 6.0, 1.0, 3.0, 0.5, 100e9), _point("fp8_block", 5.0, 0.5, 1.5, 0.25, 90e9),
+              dict(recipe="bf16_train_fp8_rollout", response_tokens=100, status="error", error="OOM", rows=[])]
+    res = bench.assemble({"benchmark": "rl_step"}, points, warmup=1)
+    b, f = res["points"][0]["summary"], res["points"][1]["summary"]
+    assert b["median"]["rollout_seconds"] == 6.0 and b["steps_measured"] == [2, 3]  # warm-up step 1 left out
+    assert b["tokens_per_second_end_to_end"] == pytest.approx(1000 / 10.5)
+    c = res["comparison"]["100"]["fp8_block_vs_bf16"]
+    assert c["tokens_per_second_end_to_end"] == pytest.approx(10.5 / 7.25)
+    assert c["train_phase_tokens_per_second"] == pytest.approx(4.0 / 2.0)
+    assert c["peak_memory"] == pytest.approx(0.9)
+    assert c["targets"] == {"tokens_per_second_end_to_end >= 1.3x": "met", "train_phase >= 1.4x": "met", "peak_memory lower": "met"}
+    # rollout: 1.2x speed-up on the largest share of the step: 5 - 6 / 1.3 = 0.38 s over its part, the largest
+    assert c["phases"]["rollout"]["shortfall_seconds"] == pytest.approx(5.0 - 6.0 / 1.3)
+    assert c["holds_back"] == "rollout"
+    assert res["comparison"]["100"]["bf16_train_fp8_rollout_vs_bf16"] is None  # its point failed
+    slow = [_point("bf16", 6.0, 1.0, 3.0, 0.5, 100e9), _point("fp8_block", 3.0, 1.0, 3.5, 0.5, 120e9)]
+    c = bench.assemble({}, slow, warmup=1)["comparison"]["100"]["fp8_block_vs_bf16"]
+    assert c["holds_back"] == "update" and c["targets"]["train_phase >= 1.4x"] == "missed"
+    assert c["targets"]["peak_memory lower"] == "missed"
+    assert all(math.isfinite(v["speedup"]) for v in c["phases"].values() if v["speedup"] is not None)
+    text = bench.table(res)
+    assert "held back by: update" not in text and "held back by: rollout" in text and "OOM" in text
+
+
+def test_merge_keeps_the_later_point(bench, tmp_path):
+    a = bench.assemble({"benchmark": "rl_step", "command": "a"}, [_point("bf16", 6.0, 1.0, 3.0, 0.5, 1.0)], 1)
+    bb = bench.assemble({"benchmark": "rl_step", "command": "b"}, [_point("bf16", 2.0, 1.0, 3.0, 0.5, 1.0),
+                                                                  _point("fp8_block", 1.0, 1.0, 1.0, 0.5, 1.0)], 1)
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(bb))
+    assert bench.main(["--merge", f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}", "--out", str(tmp_path / "m.json")]) == 0
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert [(p["recipe"], p["summary"]["median"]["rollout_seconds"]) for p in m["points"]] == [("bf16", 2.0), ("fp8_block", 1.0)]
+    assert m["comparison"]["100"]["fp8_block_vs_bf16"]["tokens_per_second_end_to_end"] == pytest.approx(6.5 / 3.5)
+    assert (tmp_path / "m.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_programs_lower_for_the_gpu_on_cpu(tmp_path):
+    """`--memory-analysis --lower-platform cuda`: the step's programs (rollout, old log-probs, update, weight push)
+    lower for CUDA on this CPU machine with the ops choosing their Hopper kernels (how the full-size shapes were
+    checked without a GPU: results/rl_step_lower_cuda_on_cpu.json)."""
+    out = tmp_path / "lower.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--recipes", "fp8_block", "--memory-analysis",
+                        "--lower-platform", "cuda", "--out", str(out), "--runs-dir", str(tmp_path / "runs")],
+                       env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    (entry,) = json.loads(out.read_text())["results"]
+    for name in ("rollout", "logprob", "update", "sync"):
+        assert entry[name].get("lowered_for") == "cuda", (name, entry[name])
+    assert entry["update"]["mosaic_gpu_mentions"] > 0  # the FP8 GEMM kernels, not the XLA fallback
