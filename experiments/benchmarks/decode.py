@@ -51,8 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the best is reported)")
-    p.add_argument("--attention", default="xla", choices=["xla", "exact"],
-                   help="xla: einsum attention (fast); exact: the row-invariant CPU path")
+    p.add_argument("--attention", default="auto", choices=["auto", "flash", "xla", "exact"],
+                   help="model attention_impl: auto (the flash kernels on a Hopper GPU, exact on CPU), flash, xla "
+                   "(einsum, not row invariant), exact (the row-invariant scan)")
     p.add_argument("--decode-loop", default="while", choices=["while", "python"])
     p.add_argument("--copy-mib", type=int, default=2048, help="size of the bandwidth-measuring copy")
     p.add_argument("--out", default=None, help="JSON path (default: experiments/benchmarks/results/decode_<device>.json)")

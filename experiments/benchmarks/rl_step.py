@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprob-chunk", type=int, default=None,
                    help="rows per call of the old-log-prob pass (config rl.logprob_chunk_rows; default: --batch)")
     p.add_argument("--attention-impl", default=None,
-                   help="config.model.attention_impl (default: the config's own key where it has one, else 'xla' on a "
-                        "GPU and 'exact' on CPU)")
+                   help="config.model.attention_impl (default: the config's, 'auto': the flash kernels on a Hopper GPU, "
+                        "the exact scan on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every point, repeatable (value parsed as a Python literal)")
@@ -190,7 +190,7 @@ def resolve_args(args) -> None:
     if args.attention_impl is not None:
         from jaxrl_fp8.model.config import ATTENTION_IMPLS
 
-        if args.attention_impl not in ATTENTION_IMPLS and args.attention_impl != "auto":
+        if args.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"--attention-impl {args.attention_impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
 
 
@@ -236,7 +236,7 @@ def point_config(args, recipe: str, length: int, workdir: str):
     m.norm_topk_prob = True
     m.tie_word_embeddings = False
     if args.attention_impl is not None:
-        m.attention_impl = args.attention_impl  # a new key where base_config has none (train.py reads it with a fallback)
+        m.attention_impl = args.attention_impl
     c.data.source = "jsonl"
     c.data.path = shape["dataset_path"](args.prompt_tokens)
     c.data.tokenizer = shape["tokenizer_dir"]()
@@ -335,13 +335,13 @@ def child(args) -> int:
         import jaxrl_fp8  # noqa: F401  (first: the XLA flags of the precision contract)
         import jax
 
+        import jax.numpy as jnp
+
         from jaxrl_fp8 import train
-        from jaxrl_fp8.config import base_config
+        from jaxrl_fp8.model.attention import resolve_impl
 
         dev = jax.devices()[0]
         workdir = os.path.join(args.runs_dir, f"{recipe}_{length}")
-        if args.attention_impl is None and "attention_impl" not in base_config().model:
-            args.attention_impl = "xla" if dev.platform == "gpu" else "exact"
         c = point_config(args, recipe, length, workdir)
         validate_point(c)
         if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
@@ -358,7 +358,9 @@ def child(args) -> int:
                         memory_stats_available=_memory(dev) is not None),
             versions=dict(python=platform.python_version(), jax=jax.__version__, jaxlib=importlib.metadata.version("jaxlib"),
                           flax=importlib.metadata.version("flax"), numpy=importlib.metadata.version("numpy")),
-            attention_impl=c.model.get("attention_impl", "exact (ModelConfig default)"), high_precision_form=hp_form,
+            attention_impl=c.model.attention_impl,
+            attention_runs=resolve_impl(c.model.attention_impl, c.model.head_dim, jnp.dtype(c.model.dtype)),
+            high_precision_form=hp_form,
             config=json.loads(c.to_json_best_effort()))
         _write_json(args.child_out, part)
         last = [time.time()]
@@ -643,8 +645,6 @@ def memory_analysis(args) -> int:
     for length in args.lengths:
         s = point_sizes(args, length)
         for recipe_name in args.recipe_list:
-            if args.attention_impl is None:
-                args.attention_impl = "xla" if jax.default_backend() == "gpu" else "exact"
             c = point_config(args, recipe_name, length, os.path.join(args.runs_dir, "memory_analysis"))
             validate_point(c)
             recipe = get_recipe(c.recipe)
@@ -654,7 +654,7 @@ def memory_analysis(args) -> int:
                               head_dim=m.head_dim, num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                               moe_intermediate_size=m.moe_intermediate_size, intermediate_size=m.intermediate_size,
                               mlp_only_layers=(), norm_topk_prob=True, rope_theta=m.rope_theta,
-                              attention_impl=m.get("attention_impl", "exact"))
+                              attention_impl=m.attention_impl)
             abstract = nnx.eval_shape(lambda: Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
             graphdef, params = nnx.split(abstract)
             params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)

@@ -31,6 +31,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.checkpoint = ""  # HF directory (BF16/FP32 or block-FP8); empty: random init from model.* below
     c.model.dtype = "float32"  # compute dtype of activations; masters are always FP32
+    # auto: the flash attention kernels on a Hopper GPU when they take the model (bfloat16, head_dim a multiple of
+    # 64), else the exact scan; exact | flash | xla force one (xla: fast einsum, NOT bitwise train == rollout)
+    c.model.attention_impl = "auto"
     c.model.hidden_size = 64
     c.model.num_hidden_layers = 2
     c.model.num_attention_heads = 4
@@ -149,6 +152,11 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     _check(bool(c.workdir), "workdir", "must be set")
     m = c.model
     _check(m.dtype in ("float32", "bfloat16"), "model.dtype", f"{m.dtype!r}: use float32 or bfloat16")
+    from jaxrl_fp8.model.config import ATTENTION_IMPLS
+
+    _check(m.attention_impl in ATTENTION_IMPLS, "model.attention_impl", f"{m.attention_impl!r}: use one of {', '.join(ATTENTION_IMPLS)}")
+    _check(m.attention_impl != "flash" or m.dtype == "bfloat16", "model.attention_impl",
+           "'flash' needs model.dtype='bfloat16' (the kernels take BF16 q/k/v)")
     if m.checkpoint:
         _check(os.path.isdir(m.checkpoint), "model.checkpoint", f"{m.checkpoint!r} is not a directory")
         _check(os.path.exists(os.path.join(m.checkpoint, "config.json")), "model.checkpoint", f"{m.checkpoint!r} has no config.json")

@@ -16,6 +16,8 @@ import logging
 import os
 import sys
 
+from jaxrl_fp8.model.config import ATTENTION_IMPLS
+
 __all__ = ["main", "build_engine", "parse_args"]
 
 log = logging.getLogger("jaxrl_fp8.serve")
@@ -68,9 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--static-shapes", action="store_true",
                    help="Run every batch at (max-batch, max-seq-len) so exactly one program compiles; "
                    "default: shapes bucketed to powers of two.")
-    p.add_argument("--attention-impl", default="exact", choices=["exact", "xla"],
-                   help="exact: row-invariant attention (rollout log-probs equal the trainer's bit for bit); "
-                   "xla: einsum attention, faster on GPUs, not row invariant.")
+    p.add_argument("--attention-impl", default="auto", choices=list(ATTENTION_IMPLS),
+                   help="auto: the flash attention kernels on a Hopper GPU when they take the model (bfloat16, head_dim "
+                   "a multiple of 64), else exact; exact: the row-invariant scan; flash: the kernels (row invariant, "
+                   "rollout log-probs equal the trainer's bit for bit); xla: einsum attention, not row invariant.")
     p.add_argument("--enable-return-routed-experts", action=argparse.BooleanOptionalAction, default=True,
                    help="Return routed experts (R3) when a request asks (SGLang's flag of the same name).")
     p.add_argument("--batch-window-ms", type=float, default=5.0,

@@ -54,7 +54,7 @@ def _model(c, vocab_size: int):
     if c.model.checkpoint:
         from jaxrl_fp8.model import from_pretrained
 
-        return from_pretrained(c.model.checkpoint, dtype="float32").model
+        return from_pretrained(c.model.checkpoint, dtype="float32", attention_impl=c.model.attention_impl).model
     m = c.model
     if m.get("vocab_size", 0) and m.vocab_size < vocab_size:
         from jaxrl_fp8.config import ConfigError
@@ -66,7 +66,7 @@ def _model(c, vocab_size: int):
                       moe_intermediate_size=m.moe_intermediate_size, intermediate_size=m.intermediate_size,
                       decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=tuple(m.mlp_only_layers),
                       norm_topk_prob=m.norm_topk_prob, tie_word_embeddings=m.tie_word_embeddings, rope_theta=m.rope_theta,
-                      **({"attention_impl": m.attention_impl} if "attention_impl" in m else {}))
+                      attention_impl=m.attention_impl)
     if jax.device_count() > 1 and jax.default_backend() != "cpu":
         # sharded runs: random FP32 masters on the host, the trainer shards them (a 30B model fits no one GPU)
         with jax.default_device(jax.devices("cpu")[0]):
