@@ -210,24 +210,30 @@ def test_no_sample_mixes_versions(policies):
 
 
 def test_python_decode_loop_matches_while_loop(policies, engine):
-    py = EmbeddedEngine(policies[0], decode_loop="python", **KW)
+    """The static scheduler's Python-driven loop gives the continuous scheduler's bits (the module's engine)."""
+    from jaxrl_fp8.rollout.embedded import EngineConfig
+
+    py = EmbeddedEngine(policies[0], engine_config=EngineConfig(decode_loop="python", scheduler="static", **KW))
     _same(py.generate(PROMPTS[:3], SP, return_routed_experts=True), engine.generate(PROMPTS[:3], SP, return_routed_experts=True))
 
 
 def test_min_new_bucket_shares_one_program_across_response_lengths(policies):
     """A 1-token and an 8-token request compile one program when min_new_bucket covers both (the decode
-    benchmark's two timings), and the short run's token is the long run's first."""
-    from jaxrl_fp8.rollout import embedded
+    benchmark's two timings), and the short run's token is the long run's first: the static scheduler's
+    generate program, and the continuous scheduler's decode program."""
+    from jaxrl_fp8.rollout import embedded, programs
 
     with pytest.raises(ValueError, match="min_new_bucket"):
         embedded.EngineConfig(min_new_bucket=0)
-    eng = EmbeddedEngine(policies[0], engine_config=embedded.EngineConfig(max_batch=2, max_seq_len=40, min_new_bucket=8))
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-    before = embedded._generate_while._cache_size()
-    long = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
-    short = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=1, seed=5))
-    assert embedded._generate_while._cache_size() == before + 1
-    for a, b in zip(long, short):
-        assert b.response_ids.size == 1 and b.finish_reason == "length"
-        assert a.response_ids[0] == b.response_ids[0]
-        assert a.rollout_logprobs[:1].view(np.uint32) == b.rollout_logprobs.view(np.uint32)
+    for scheduler, program in (("static", embedded._generate_while), ("continuous", programs.decode_slots)):
+        eng = EmbeddedEngine(policies[0], engine_config=embedded.EngineConfig(max_batch=2, max_seq_len=40, min_new_bucket=8,
+                                                                             scheduler=scheduler))
+        before = program._cache_size()
+        long = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
+        short = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=1, seed=5))
+        assert program._cache_size() == before + 1, scheduler
+        for a, b in zip(long, short):
+            assert b.response_ids.size == 1 and b.finish_reason == "length"
+            assert a.response_ids[0] == b.response_ids[0]
+            assert a.rollout_logprobs[:1].view(np.uint32) == b.rollout_logprobs.view(np.uint32)

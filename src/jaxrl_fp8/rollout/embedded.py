@@ -15,14 +15,25 @@ gets there by construction, not by tolerance:
 - log-probs and sampling follow `rollout.sampling` (full tempered distribution, IEEE temperature division,
   per-row seeds folded with the response step).
 
-Generation: samples are sorted by length and cut into chunks of at most `max_batch` rows; each chunk is
-padded to bucketed shapes (rows, prompt length, cache length: powers of two) so few programs compile,
-prefilled in one call and decoded with a fixed-shape step until every row stopped. The KV cache is paged
-(`model.cache.PagedKVCache`): each row owns the pages its prompt + max_new_tokens need, so a chunk holds
-`EngineConfig.kv_pages` pages at most and long rows do not cost short ones their length; rows whose pages do
-not fit wait for the next chunk. The decode loop is a
-`lax.while_loop` inside the same jit ("while", default) or a jitted step driven from Python ("python").
-Weight versions are swapped atomically between `generate` calls (a lock), never inside one.
+Generation, continuous batching (`EngineConfig.scheduler="continuous"`, the default of the separate
+placement; `rollout.scheduler`): `max_batch` decode slots over ONE paged KV pool (`model.cache.PagedKVCache`,
+`kv_pages` pages) for the whole call. The device decodes many steps in a `lax.while_loop` (no host round trip
+per token) until a slot frees while rows wait, `refill_every` steps ran, or all are done; then the host
+collects finished rows, releases their pages and admits waiting rows into the free slots (a prefill into the
+shared pool, response token 0 drawn, slot state set in place; shapes fixed per call, so no recompile). The n
+samples of a prompt (and identical prompts across requests) prefill it once and share its full pages; each
+sample gets its own copy of the prompt's last page (copy-on-write). Rows whose pages do not fit wait.
+
+Generation, static chunks (`scheduler="static"`, and the collocated placement): samples are sorted by length
+and cut into chunks of at most `max_batch` rows; each chunk is padded to bucketed shapes (rows, prompt length,
+cache length: powers of two) so few programs compile, prefilled in one call and decoded with a fixed-shape
+step until every row of the chunk stopped; each row owns the pages its prompt + max_new_tokens need and a chunk
+holds `kv_pages` pages at most. The decode loop is a `lax.while_loop` inside the same jit ("while", default)
+or a jitted step driven from Python ("python").
+
+Either way a sample is a pure function of (weights version, prompt, sampling params, seed): the same bits
+whatever scheduler, slot, neighbours or sharing it ran with. Weight versions are swapped atomically between
+`generate` calls (a lock), never inside one.
 
 Placement (`config.rollout.placement`): by default the engine computes on one device (weights of a sharded
 trainer are copied there); with a `sharding.CollocatedPlacement` it runs on the training mesh with the trainer's
@@ -49,7 +60,7 @@ from jax import lax
 
 from jaxrl_fp8.model import loader
 from jaxrl_fp8.model.attention import resolve_impl
-from jaxrl_fp8.model.cache import PAGE_SIZE, KVCache, PagedKVCache, PagePool, init_cache, init_paged_cache, pages_for
+from jaxrl_fp8.model.cache import PAGE_SIZE, PagePool, pages_for
 from jaxrl_fp8.model.config import ModelConfig
 from jaxrl_fp8.model.policy import Policy, from_pretrained
 from jaxrl_fp8.model.qwen3 import Qwen3
@@ -57,22 +68,35 @@ from jaxrl_fp8.ops import operands
 from jaxrl_fp8.precision import PrecisionPolicy, QuantizedWeight, Recipe, detect_hardware, quantize_weight
 from jaxrl_fp8.precision import formats as F
 from jaxrl_fp8.precision.names import TensorRole, hf_to_trainer, role_of_hf, trainer_to_hf
-from jaxrl_fp8.rollout import sampling
+from jaxrl_fp8.rollout.programs import (  # noqa: F401  (_Carry, _draw, _prefill, _decode_step: benchmarks, tests)
+    _Carry,
+    _decode_jit,
+    _decode_step,
+    _draw,
+    _generate_while,
+    _Pages,
+    _prefill,
+    _prefill_jit,
+    _Rows,
+)
+from jaxrl_fp8.rollout.scheduler import ContinuousScheduler, _bucket
 from jaxrl_fp8.rollout.types import MAX_SEED, ModelInfo, Sample, SamplingParams, per_prompt_sampling, sample_seed
 
 __all__ = ["EmbeddedEngine", "EngineConfig", "prepare_rollout_params"]
 
 DECODE_LOOPS = ("while", "python")
+SCHEDULERS = ("continuous", "static")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine limits and scheduling knobs (validated at construction)."""
 
-    max_batch: int = 64  # sample rows decoded together (one chunk)
+    max_batch: int = 64  # sample rows decoded together (continuous: the decode slots; static: one chunk)
     max_seq_len: int = 2048  # prompt + response tokens of one row (the KV cache length)
     eos_token_ids: tuple[int, ...] = ()  # stop ids added to every request unless ignore_eos
-    decode_loop: str = "while"  # "while": lax.while_loop in one jit; "python": a jitted step per token
+    # static chunks: "while": lax.while_loop in one jit; "python": a jitted step per token
+    decode_loop: str = "while"
     min_prompt_bucket: int = 8
     min_cache_bucket: int = 16
     # the response-buffer bucket's floor: chunks asking for fewer new tokens share the program of this many (the
@@ -83,15 +107,24 @@ class EngineConfig:
     static_shapes: bool = False
     seed: int = 0  # draws the base seed of requests that bring none
     model_path: str = ""
-    # KV page budget of one chunk (0: max_batch rows of max_seq_len); rows whose pages do not fit wait
+    # KV page budget (0: max_batch rows of max_seq_len): the pool of one generate call (continuous) or of one
+    # chunk (static); rows whose pages do not fit wait; a row that can never fit is rejected
     kv_pages: int = 0
     # slots per KV page (0: the flash kernel's key block, 128, when it runs, else 16); a row's pages hold its
     # prompt + max_new_tokens rounded up to a page
     page_size: int = 0
+    # "continuous": decode slots refilled as rows finish (the separate placement); "static": chunks decoded until
+    # their last row stops (always used by the collocated placement)
+    scheduler: str = "continuous"
+    refill_every: int = 64  # continuous: most decode steps on device between two host refills
+    max_prefill_tokens: int = 8192  # continuous: tokens (bucketed rows x prompt length) of one prefill call
+    prefix_sharing: bool = True  # continuous: a prompt's samples share its KV pages (prefilled once)
+    progress: bool = False  # continuous: a tqdm bar with rows done, tokens/s and active slots
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for name in ("max_batch", "max_seq_len", "min_prompt_bucket", "min_cache_bucket", "min_new_bucket"):
+        for name in ("max_batch", "max_seq_len", "min_prompt_bucket", "min_cache_bucket", "min_new_bucket",
+                     "refill_every", "max_prefill_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
@@ -101,6 +134,11 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 0 (0: the default), got {v!r}")
         if self.max_seq_len < 2:
             raise ValueError(f"EngineConfig.max_seq_len must be >= 2 (a prompt token and a response token), got {self.max_seq_len}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"EngineConfig.scheduler={self.scheduler!r}; expected one of {SCHEDULERS}")
+        for name in ("prefix_sharing", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.decode_loop not in DECODE_LOOPS:
             raise ValueError(f"EngineConfig.decode_loop={self.decode_loop!r}; expected one of {DECODE_LOOPS}")
         if not 0 <= self.seed <= MAX_SEED:
@@ -163,131 +201,6 @@ class _Weights:
     dtype: Any  # activation / KV-cache dtype (the embedding's)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The jitted programs
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-    """Per-row sampling parameters of one chunk (all [B])."""
-
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    seeds: jax.Array
-    max_new: jax.Array
-    stop_ids: jax.Array  # [B, M], -1 padded
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _Carry:
-    t: jax.Array  # the response index drawn next
-    cache: KVCache | PagedKVCache
-    tokens: jax.Array  # int32 [B, N]
-    logprobs: jax.Array  # f32 [B, N]
-    routed: jax.Array  # int32 [B, N, layers, k]: routing of response token t (fed at step t + 1)
-    done: jax.Array  # bool [B]
-    count: jax.Array  # int32 [B] response tokens produced
-
-
-def _draw(logits, rows: _Rows, t, done, count, tokens, logprobs):
-    """Sample response token t for every row from its logits [B, V]; update buffers and stop state."""
-    steps = jnp.full(done.shape, t, jnp.int32)
-    tok = sampling.sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, steps)
-    lp = sampling.token_logprobs(logits, tok, rows.temperature)
-    active = ~done
-    tokens = tokens.at[:, t].set(jnp.where(active, tok, 0))
-    logprobs = logprobs.at[:, t].set(jnp.where(active, lp, 0.0))
-    count = count + active.astype(jnp.int32)
-    stop = jnp.any(tok[:, None] == rows.stop_ids, axis=-1)
-    done = done | (active & (stop | (count >= rows.max_new)))
-    return done, count, tokens, logprobs
-
-
-def _on_mesh(placement, state, *row_arrays):
-    """Collocated placement: weights in the compute layout, row arrays split over the batch axes (jit only)."""
-    if placement is None:
-        return state, row_arrays
-    return placement.constrain_weights(state), tuple(jax.tree.map(placement.constrain_rows, a) for a in row_arrays)
-
-
-def _moe_impl(placement):
-    return None if placement is None else placement.moe_impl
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pages:
-    """Static shape of a chunk's paged cache: pool pages and slots per page (the page table is an argument)."""
-
-    num_pages: int
-    page_size: int
-
-
-def _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows: _Rows, cache_len, max_new, dtype, placement=None,
-             pages: _Pages | None = None, page_table=None):
-    """Right-padded prompts [B, P] into a fresh cache, then draw response token 0.
-
-    Returns (carry for the decode loop, routed experts of the prompt positions [B, P, layers, k]).
-    placement: None (the arrays' own devices) or a `sharding.CollocatedPlacement` (the training mesh; a dense
-    cache of `cache_len` slots, split over the rows' devices). pages / page_table: a paged cache instead.
-    """
-    state, (prompt_ids, prompt_lens, rows) = _on_mesh(placement, state, prompt_ids, prompt_lens, rows)
-    model = nnx.merge(graphdef, state)
-    b = prompt_ids.shape[0]
-    cfg = model.cfg
-    if pages is not None:
-        cache = init_paged_cache(cfg, page_table, pages.num_pages, pages.page_size, dtype)
-    else:
-        cache = init_cache(cfg, b, cache_len, dtype)
-        if placement is not None:
-            cache = placement.constrain_cache(cache)
-    out = model(prompt_ids, cache=cache, policy=precision, moe_impl=_moe_impl(placement), logits_at=prompt_lens - 1)
-    cache = out.cache.with_lengths(prompt_lens)
-    last = out.logits[:, 0]
-    k = out.routed_experts.shape[-1]
-    tokens = jnp.zeros((b, max_new), jnp.int32)
-    logprobs = jnp.zeros((b, max_new), jnp.float32)
-    routed = jnp.zeros((b, max_new, cfg.num_hidden_layers, k), jnp.int32)
-    done = rows.max_new <= 0
-    done, count, tokens, logprobs = _draw(last, rows, 0, done, jnp.zeros((b,), jnp.int32), tokens, logprobs)
-    carry = _Carry(jnp.int32(1), cache, tokens, logprobs, routed, done, count)
-    return carry, out.routed_experts
-
-
-def _decode_step(model, precision, rows: _Rows, c: _Carry, placement=None) -> _Carry:
-    """Feed response token t-1 of every row, draw token t."""
-    feed = c.tokens[:, c.t - 1]
-    out = model(feed[:, None], cache=c.cache, policy=precision, moe_impl=_moe_impl(placement))
-    routed = c.routed.at[:, c.t - 1].set(out.routed_experts[:, 0])
-    done, count, tokens, logprobs = _draw(out.logits[:, 0], rows, c.t, c.done, c.count, c.tokens, c.logprobs)
-    cache = out.cache if placement is None else placement.constrain_cache(out.cache)
-    return _Carry(c.t + 1, cache, tokens, logprobs, routed, done, count)
-
-
-def _running(c: _Carry) -> jax.Array:
-    return (c.t < c.tokens.shape[1]) & ~jnp.all(c.done)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "cache_len", "max_new", "dtype", "placement", "pages"))
-def _generate_while(graphdef, state, prompt_ids, prompt_lens, rows, page_table=None, *, precision, cache_len, max_new, dtype,
-                    placement=None, pages=None):
-    state, (rows,) = _on_mesh(placement, state, rows)  # gathered once per call, used by prefill and every step
-    carry, prompt_routed = _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows, cache_len, max_new, dtype,
-                                    placement, pages, page_table)
-    model = nnx.merge(graphdef, state)
-    carry = lax.while_loop(_running, lambda c: _decode_step(model, precision, rows, c, placement), carry)
-    return carry, prompt_routed
-
-
-_prefill_jit = jax.jit(_prefill, static_argnums=(0, 2, 6, 7, 8, 9, 10))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "placement"), donate_argnames=("carry",))
-def _decode_jit(graphdef, state, rows, carry, *, precision, placement=None):
-    state, (rows,) = _on_mesh(placement, state, rows)
-    return _decode_step(nnx.merge(graphdef, state), precision, rows, carry, placement)
 
 
 def _on_one_device(model: Qwen3) -> Qwen3:
@@ -303,11 +216,6 @@ def _on_one_device(model: Qwen3) -> Qwen3:
 
 # ---------------------------------------------------------------------------------------------------------
 # Scheduling helpers (host side)
-
-
-def _bucket(n: int, minimum: int, cap: int | None = None) -> int:
-    b = max(minimum, 1 << max(0, (n - 1).bit_length()))
-    return b if cap is None else min(b, cap)
 
 
 @dataclasses.dataclass
@@ -384,22 +292,24 @@ class EmbeddedEngine:
         self._page_size, self._kv_pages = self._page_layout()
 
     def _page_layout(self) -> tuple[int, int]:
-        """(slots per page, pages per chunk) of the paged cache (the separate placement; collocated rows are split
-        over devices and keep a dense cache)."""
+        """(slots per page, pages of the pool) of the paged cache (the separate placement; collocated rows are split
+        over devices and keep a dense cache). A budget smaller than one max_seq_len row is allowed: requests whose
+        row cannot fit are rejected by `_rows`."""
         ec = self.config
         ps = ec.page_size or (PAGE_SIZE if self._attention == "flash" else 16)
         if self._attention == "flash" and ps != PAGE_SIZE:
             raise ValueError(f"EngineConfig.page_size={ps}: the flash attention kernel reads pages of {PAGE_SIZE} slots "
                              "(its key block); use 0 or 128")
-        budget = ec.kv_pages or ec.max_batch * pages_for(ec.max_seq_len, ps)
-        if budget < pages_for(ec.max_seq_len, ps):
-            raise ValueError(f"EngineConfig.kv_pages={budget} cannot hold one row of max_seq_len={ec.max_seq_len} "
-                             f"({pages_for(ec.max_seq_len, ps)} pages of {ps})")
-        return ps, budget
+        return ps, ec.kv_pages or ec.max_batch * pages_for(ec.max_seq_len, ps)
 
     @property
     def paged(self) -> bool:
         return self.placement is None
+
+    @property
+    def scheduler(self) -> str:
+        """The scheduler `generate` runs: EngineConfig.scheduler, except "static" for the collocated placement."""
+        return self.config.scheduler if self.placement is None else "static"
 
     def _row_pages(self, row: "_Row") -> int:
         return pages_for(len(row.prompt) + row.params.max_new_tokens, self._page_size)
@@ -628,10 +538,16 @@ class EmbeddedEngine:
             bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
             if bad:
                 raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
-            if len(prompt) + sp.max_new_tokens > self.config.max_seq_len:  # (kv_pages holds such a row: _page_layout)
+            if len(prompt) + sp.max_new_tokens > self.config.max_seq_len:
                 raise ValueError(
                     f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens {sp.max_new_tokens} exceeds max_seq_len "
                     f"{self.config.max_seq_len}"
+                )
+            need = pages_for(len(prompt) + sp.max_new_tokens, self._page_size)
+            if self.paged and need > self._kv_pages:
+                raise ValueError(
+                    f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens {sp.max_new_tokens} need {need} KV pages of "
+                    f"{self._page_size} slots; EngineConfig.kv_pages={self._kv_pages} can never hold that row"
                 )
             base = sp.seed if sp.seed is not None else int(self._rng.integers(0, MAX_SEED + 1))
             for j in range(sp.n):
@@ -655,19 +571,26 @@ class EmbeddedEngine:
                 rows = self._rows(prompts, params)
                 own, want_routed = range(len(rows)), return_routed_experts
             weights = self._weights
-            order = sorted(range(len(rows)), key=lambda r: (len(rows[r].prompt) + rows[r].params.max_new_tokens, r))
-            results: list[Sample | None] = [None] * len(rows)
-            for chunk_rows in self._chunks(rows, order):
-                samples = self._run_chunk(weights, [rows[r] for r in chunk_rows], want_routed)
-                for r, s in zip(chunk_rows, samples):
-                    results[r] = s
+            stats: dict[str, float] = {}
+            if self.scheduler == "continuous":
+                run = ContinuousScheduler(self, weights, rows, [self._stop_ids(r.params) for r in rows], want_routed)
+                results, stats = run.run(), run.stats
+            else:
+                order = sorted(range(len(rows)), key=lambda r: (len(rows[r].prompt) + rows[r].params.max_new_tokens, r))
+                results: list[Sample | None] = [None] * len(rows)
+                chunks = self._chunks(rows, order)
+                for chunk_rows in chunks:
+                    samples = self._run_chunk(weights, [rows[r] for r in chunk_rows], want_routed)
+                    for r, s in zip(chunk_rows, samples):
+                        results[r] = s
+                stats["chunks"] = float(len(chunks))
         out = [results[r] for r in own]
         if want_routed and not return_routed_experts:  # another process asked for them
             for s in out:
                 s.routed_experts = None
         elapsed = time.perf_counter() - t0
         tokens_out = sum(s.response_ids.size for s in out)
-        self.last_stats = {"rows": float(len(out)), "response_tokens": float(tokens_out), "seconds": elapsed}
+        self.last_stats = {"rows": float(len(out)), "response_tokens": float(tokens_out), "seconds": elapsed, **stats}
         if len(rows) != len(out):
             self.last_stats["union_rows"] = float(len(rows))
         return out
