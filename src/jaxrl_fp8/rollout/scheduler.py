@@ -85,7 +85,7 @@ class ContinuousScheduler:
             self.num_pages = min(_bucket(sum(self.need), 1), engine._kv_pages)
         # (the flash kernel reads the pages of every prefill position, padding included)
         self.width = max(pages_for(width_tokens, ps), pages_for(self.prompt_bucket, ps))
-        self.stop_width = max(1, max(len(s) for s in stops))
+        self.stop_width = _bucket(max(1, max(len(s) for s in stops)), 1)  # (a power of two: fewer programs)
         self.key = [r.prompt if self.sharing else i for i, r in enumerate(rows)]
         groups: dict[Any, list[int]] = {}
         for i, k in enumerate(self.key):
@@ -199,6 +199,7 @@ class ContinuousScheduler:
     def _admit_batch(self, st: collections.Counter) -> int:
         ec, ps = self.engine.config, self.ps
         leaders: list[tuple[int, _Prompt, list[int]]] = []
+        fresh: set[int] = set()  # entries of the prompts prefilled in this batch
         placed: list[tuple[int, _Prompt, tuple[int, int] | None]] = []
         prompt_bucket = 0
         while self.waiting and len(placed) < len(self.free_slots):
@@ -219,6 +220,7 @@ class ContinuousScheduler:
                 self.prompts[self.key[r]] = prompt
                 own = pages[shared:]
                 leaders.append((r, prompt, pages))
+                fresh.add(prompt.entry)
                 prompt_bucket = pb
             else:  # shares the prompt's full pages, copies its last page
                 if not self.pool.can_allocate(self.need[r] - len(prompt.shared)):
@@ -228,6 +230,7 @@ class ContinuousScheduler:
                 copy = (next(iter(prompt.holders.values()))[0], own[0])
                 st["shared_pages"] += len(prompt.shared)
                 st["page_copies"] += 1
+                st["late_shares"] += prompt.entry not in fresh  # its holders have been decoding
             prompt.holders[r] = own
             placed.append((r, prompt, copy))
             self.waiting.popleft()
