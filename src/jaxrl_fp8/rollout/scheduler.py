@@ -153,7 +153,7 @@ class ContinuousScheduler:
         fin = [slot for slot, r in enumerate(self.slot_row) if r is not None and done[slot]]
         if not fin:
             return []
-        n = self.slots if self.engine.config.static_shapes else _bucket(len(fin), 1, self.slots)
+        n = self.slots if self.engine.config.static_shapes else _bucket(len(fin), min(8, self.slots), self.slots)
         idx = np.zeros((n,), np.int32)
         idx[: len(fin)] = fin
         tokens, logprobs, routed = programs.take_rows(self.s, idx, with_routed=self.want_routed)
@@ -266,7 +266,8 @@ class ContinuousScheduler:
         st["prefill_padded_tokens"] += ids.size
 
     def _place(self, placed, st: collections.Counter) -> None:
-        a = self.slots if self.engine.config.static_shapes else _bucket(len(placed), 1, self.slots)
+        # (a floor of 8 rows: few programs; padding rows draw nothing anyone reads)
+        a = self.slots if self.engine.config.static_shapes else _bucket(len(placed), min(8, self.slots), self.slots)
         m = self.stop_width
         slots = np.full((a,), self.slots, np.int32)  # padding: out of range, dropped
         entries = np.zeros((a,), np.int32)

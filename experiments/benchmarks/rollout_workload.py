@@ -1,0 +1,351 @@
+"""A realistic RL rollout on the embedded engine (issue 22): continuous batching vs the static engine, BF16 vs FP8.
+
+Workload: `--prompts` prompts x `--samples` samples (default 64 x 16 = 1024 rows, a GRPO batch), prompts of exactly
+`--prompt-len` random tokens (256), response lengths drawn per sample from a lognormal (median `--median-len`,
+sigma `--sigma`) clipped to [1, `--max-len`] (8192), EOS forced at the drawn length (`max_new_tokens` = the
+length, `ignore_eos`). Each sample is its own request (its own length); the 16 requests of a prompt carry the
+same prompt, so the continuous scheduler prefills it once and shares its pages. Model: a Qwen3-30B-A3B-shaped
+slice from random init (hidden 2048, 32 / 4 heads of 128, 128 experts of 768 top-8, vocab 151936, `--layers`
+layers, every layer MoE).
+
+Per recipe (bf16, fp8_block) in one process:
+- continuous: `EmbeddedEngine.generate` with `EngineConfig(scheduler="continuous")`, `--slots` decode slots;
+- static: the static engine of today (`scheduler="static"`, chunks of `--slots` rows decoded until their longest
+  row stops). `--static-order request` (default) hands it the rows `--slots` at a time in request order, which is
+  what it does in RL, where every row asks for the same max_new_tokens and nobody knows the lengths; `sorted`
+  gives it all rows in one call, so it sorts them by the (here known) lengths into chunks: a lower bound;
+- the two must return the same samples bit for bit (recorded as `bitwise_equal`);
+- a decode-step measurement at `--slots` active rows: `--step-new` tokens after `--prompt-len`-token prompts,
+  (t(generate step_new) - t(generate 1)) / (step_new - 1), against the HBM roofline of the bytes a step reads
+  (weights in the rollout format, experts = those the batch routed to, measured; + the live KV), at the
+  datasheet bandwidth and at the device-to-device copy bandwidth measured in the same run (as decode.py).
+Compile time inside the timed runs is measured (jax.monitoring compile events) and reported; tokens/s are given
+end to end and without it (`steady`, what an RL run sees after its first step).
+
+Targets (issue 22), met or missed in the JSON: continuous >= 3x static output tokens/s; decode steps >= 50 % of the
+copy-bandwidth roofline at 256 active rows; FP8 >= 1.3x BF16 tokens/s (continuous).
+
+    python experiments/benchmarks/rollout_workload.py          # the H200 run -> results/rollout_workload_<device>.json
+    python experiments/benchmarks/rollout_workload.py --tiny   # CPU smoke run (< 2 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import decode as decode_bench  # noqa: E402  (copy bandwidth, bytes per step, experts touched)
+
+TARGETS = {"continuous_over_static": 3.0, "roofline_fraction_at_slots": 0.5, "fp8_over_bf16": 1.3}
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny model and workload: a CPU smoke run")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--moe-inter", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=8192, help="longest response (the lognormal is clipped here)")
+    p.add_argument("--median-len", type=float, default=1024.0)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--slots", type=int, default=256, help="EngineConfig.max_batch (decode slots / static chunk rows)")
+    p.add_argument("--kv-pages", type=int, default=0, help="EngineConfig.kv_pages (0: slots x pages of the longest row)")
+    p.add_argument("--refill-every", type=int, default=64)
+    p.add_argument("--recipes", default="bf16,fp8_block")
+    p.add_argument("--schedulers", default="continuous,static")
+    p.add_argument("--static-order", default="request", choices=["request", "sorted"])
+    p.add_argument("--step-new", type=int, default=64, help="tokens of the decode-step measurement (<= --max-len)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of the step measurement (best reported)")
+    p.add_argument("--attention", default="auto", choices=["auto", "flash", "xla", "exact"])
+    p.add_argument("--copy-mib", type=int, default=2048)
+    p.add_argument("--progress", action="store_true", help="tqdm bar of the continuous scheduler")
+    p.add_argument("--static-shapes", action="store_true",
+                   help="EngineConfig.static_shapes: one program per engine (--tiny: compile time dominates on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim = 2, 128, 4, 2, 32
+        args.experts, args.top_k, args.moe_inter, args.vocab = 8, 2, 128, 512
+        args.prompts, args.samples, args.prompt_len, args.max_len, args.median_len = 3, 4, 12, 40, 8.0
+        args.slots, args.refill_every, args.step_new, args.repeats, args.copy_mib = 4, 8, 8, 1, 16
+        args.static_shapes = True
+    return args
+
+
+def draw_lengths(args, rng) -> np.ndarray:
+    n = args.prompts * args.samples
+    raw = rng.lognormal(mean=math.log(args.median_len), sigma=args.sigma, size=n)
+    return np.clip(np.rint(raw), 1, args.max_len).astype(np.int64)
+
+
+class CompileClock:
+    """Seconds spent tracing / lowering / compiling while it is active (jax.monitoring events)."""
+
+    def __init__(self):
+        import jax
+
+        self.total, self.active = 0.0, False
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event, duration, **_):
+        if self.active and event in COMPILE_EVENTS:
+            self.total += duration
+
+    def __enter__(self):
+        self.total, self.active = 0.0, True
+        return self
+
+    def __exit__(self, *exc):
+        self.active = False
+
+
+def run_workload(engine, scheduler, prompts, params, slots, order, clock):
+    """(samples, wall seconds, compile seconds, stats) of the whole workload on one engine."""
+    t = time.perf_counter()
+    with clock:
+        if scheduler == "static" and order == "request":
+            samples, stats = [], {"chunks": 0.0}
+            for i in range(0, len(prompts), slots):
+                samples += engine.generate(prompts[i : i + slots], params[i : i + slots])
+                stats["chunks"] += 1
+        else:
+            samples = engine.generate(prompts, params)
+            stats = dict(engine.last_stats)
+    return samples, time.perf_counter() - t, clock.total, stats
+
+
+def same_bits(a, b) -> bool:
+    return len(a) == len(b) and all(
+        np.array_equal(x.response_ids, y.response_ids)
+        and np.array_equal(x.rollout_logprobs.view(np.uint32), y.rollout_logprobs.view(np.uint32)) for x, y in zip(a, b))
+
+
+def step_measurement(engine_cls, policy, engine_config, cfg, args, rng, bw_copy):
+    """Decode step time at `--slots` active rows and its roofline (see the module docstring), on the continuous
+    engine of the workload (its response buffer holds step_new tokens, so the 1-token run has the same shapes)."""
+    import dataclasses
+
+    from jaxrl_fp8.rollout.types import SamplingParams
+
+    n = args.step_new
+    engine = engine_cls(policy, engine_config=dataclasses.replace(
+        engine_config, scheduler="continuous", progress=False, refill_every=max(n, engine_config.refill_every)))
+    prompts = rng.integers(0, cfg.vocab_size, size=(args.slots, args.prompt_len)).tolist()
+    full = SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=1)
+    one = SamplingParams(temperature=1.0, max_new_tokens=1, ignore_eos=True, seed=1)
+    samples = engine.generate(prompts, full, return_routed_experts=True)  # compiles
+    engine.generate(prompts, one)
+    best_full = best_one = math.inf
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        engine.generate(prompts, full)
+        best_full = min(best_full, time.perf_counter() - t)
+        t = time.perf_counter()
+        engine.generate(prompts, one)
+        best_one = min(best_one, time.perf_counter() - t)
+    touched = decode_bench.distinct_experts_per_step(samples, args.prompt_len, n, cfg.num_hidden_layers)
+    cache_len = args.prompt_len + n
+    sb = decode_bench.step_bytes(engine, cfg, args.slots, args.prompt_len, n, cache_len, touched, kv_itemsize=2)
+    decode_s = best_full - best_one
+    step_s = decode_s / (n - 1) if decode_s > 0 and n > 1 else math.nan
+    ideal = sb["weights_read"] + sb["kv_read_live"]
+    roof_step_s = ideal / bw_copy
+    return {
+        "rows": args.slots, "prompt_len": args.prompt_len, "new_tokens": n,
+        "generate_s": best_full, "prefill_plus_one_token_s": best_one,
+        "step_ms": step_s * 1e3 if math.isfinite(step_s) else None,
+        "bytes_per_step": sb, "experts_touched_per_layer": touched,
+        "roofline_step_ms_at_copy_bw": roof_step_s * 1e3,
+        "roofline_step_ms_at_spec_bw": ideal / decode_bench.HBM_SPEC_BPS * 1e3,
+        "fraction_of_copy_roofline": roof_step_s / step_s if math.isfinite(step_s) else None,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrl_fp8.model import ModelConfig, Policy, Qwen3
+    from jaxrl_fp8.precision import get_recipe
+    from jaxrl_fp8.rollout.embedded import EmbeddedEngine, EngineConfig
+    from jaxrl_fp8.rollout.types import SamplingParams
+
+    dev = jax.devices()[0]
+    cfg = ModelConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=4 * args.hidden,
+        moe_intermediate_size=args.moe_inter, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        norm_topk_prob=True, max_position_embeddings=max(8192, args.prompt_len + args.max_len),
+        attention_impl=args.attention)
+    model = Qwen3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(args.seed))
+    counts = decode_bench.param_counts(cfg, model)
+    rng = np.random.default_rng(args.seed)
+    lengths = draw_lengths(args, rng)
+    base_prompts = rng.integers(0, cfg.vocab_size, size=(args.prompts, args.prompt_len)).tolist()
+    prompts, params = [], []
+    for i, prompt in enumerate(base_prompts):
+        for j in range(args.samples):
+            r = i * args.samples + j
+            prompts.append(prompt)
+            params.append(SamplingParams(temperature=1.0, max_new_tokens=int(lengths[r]), ignore_eos=True,
+                                         seed=(1000 * i + j) % (2**31 - 1)))
+    total_tokens = int(lengths.sum())
+    print(f"device {dev.device_kind} ({dev.platform}); model {counts['total'] / 1e9:.3f}B params; "
+          f"{len(prompts)} rows, {total_tokens} response tokens (mean {lengths.mean():.0f}, max {lengths.max()})", flush=True)
+    bw_copy = decode_bench.copy_bandwidth(args.copy_mib)
+    print(f"copy bandwidth {bw_copy / 1e12:.3f} TB/s", flush=True)
+    clock = CompileClock()
+    path = args.out or os.path.join(HERE, "results", f"rollout_workload_{'cpu_tiny' if args.tiny else dev.platform}.json")
+    results, steps = [], []
+    comparison: dict = {}
+
+    def write(complete: bool):
+        out = {
+            "benchmark": "embedded engine RL rollout workload: continuous batching vs static chunks (issue 22)",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python experiments/benchmarks/rollout_workload.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "device": {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count()},
+            "versions": {"python": platform.python_version(), "jax": jax.__version__,
+                         "jaxlib": importlib.metadata.version("jaxlib"), "flax": importlib.metadata.version("flax")},
+            "tiny": args.tiny,
+            "model": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                   "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
+                                                   "num_experts_per_tok", "attention_impl")},
+            "params": counts,
+            "workload": {
+                "prompts": args.prompts, "samples_per_prompt": args.samples, "rows": len(prompts),
+                "prompt_len": args.prompt_len, "length_distribution": f"lognormal(median {args.median_len}, sigma {args.sigma}) "
+                f"clipped to [1, {args.max_len}]; EOS forced at the drawn length (max_new_tokens, ignore_eos)",
+                "response_tokens": total_tokens,
+                "length_stats": {"mean": float(lengths.mean()), "p50": float(np.percentile(lengths, 50)),
+                                 "p90": float(np.percentile(lengths, 90)), "p99": float(np.percentile(lengths, 99)),
+                                 "max": int(lengths.max()), "at_cap": int((lengths == args.max_len).sum())},
+                "sampling": "temperature 1, no top-k / top-p, one request per sample (the prompt repeated), per-sample seeds",
+            },
+            "engine": {"slots": args.slots, "kv_pages": args.kv_pages, "refill_every": args.refill_every,
+                       "static_order": args.static_order, "static_shapes": args.static_shapes},
+            "bandwidth": {"hbm_spec_Bps": decode_bench.HBM_SPEC_BPS, "copy_measured_Bps": bw_copy, "copy_mib": args.copy_mib},
+            "notes": [
+                "tokens_per_s = response tokens / wall; steady_tokens_per_s = response tokens / (wall - compile_s), "
+                "compile_s from jax.monitoring compile events inside the timed run",
+                "static with static_order=request: rows handed over --slots at a time in request order (RL: lengths "
+                "unknown); static_order=sorted: one call, the engine sorts rows by their known lengths",
+                "decode_step: roofline = weights read once per step (experts the batch routed to, measured) + live KV; "
+                "activations / logits traffic not counted, so the roofline is an upper bound",
+            ],
+            "targets": TARGETS,
+            "complete": complete,
+            "results": results,
+            "decode_step": steps,
+            "comparison": comparison,
+        }
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=2)
+        os.replace(tmp, path)
+
+    schedulers = args.schedulers.split(",")
+    for recipe_name in args.recipes.split(","):
+        recipe = get_recipe(recipe_name)
+        policy = Policy(model, recipe=recipe)
+        by_scheduler = {}
+        for scheduler in schedulers:
+            seq = args.prompt_len + args.max_len
+            ec = EngineConfig(
+                max_batch=args.slots, max_seq_len=seq, kv_pages=args.kv_pages, refill_every=args.refill_every,
+                scheduler=scheduler, progress=args.progress and scheduler == "continuous", static_shapes=args.static_shapes,
+                # every static chunk shares the response-buffer and cache-length buckets: one program per pool size
+                min_new_bucket=1 << (args.max_len - 1).bit_length(), min_cache_bucket=1 << (seq - 1).bit_length())
+            engine = EmbeddedEngine(policy, engine_config=ec)
+            samples, wall, compile_s, stats = run_workload(engine, scheduler, prompts, params, args.slots,
+                                                           args.static_order, clock)
+            produced = sum(s.response_ids.size for s in samples)
+            assert produced == total_tokens, (produced, total_tokens)
+            steady = max(wall - compile_s, 1e-9)
+            point = {"recipe": recipe_name, "rollout_format": recipe.rollout_format, "scheduler": scheduler,
+                     "wall_s": wall, "compile_s": compile_s, "tokens_per_s": produced / wall,
+                     "steady_tokens_per_s": produced / steady, "stats": stats}
+            if stats.get("decode_steps"):
+                point["mean_step_ms_steady"] = steady / stats["decode_steps"] * 1e3
+            by_scheduler[scheduler] = samples
+            results.append(point)
+            print(f"{recipe_name:10s} {scheduler:10s}: wall {wall:8.2f}s (compile {compile_s:6.2f}s)  "
+                  f"{point['tokens_per_s']:10.1f} tok/s  steady {point['steady_tokens_per_s']:10.1f} tok/s  "
+                  f"steps {stats.get('decode_steps', float('nan')):.0f}  active {stats.get('mean_active_slots', float('nan')):.1f}",
+                  flush=True)
+            del engine
+            write(False)
+        if len(by_scheduler) > 1:
+            comparison.setdefault("bitwise_equal", {})[recipe_name] = same_bits(*by_scheduler.values())
+        del by_scheduler
+        step = step_measurement(EmbeddedEngine, policy, ec, cfg, args, rng, bw_copy)
+        step["recipe"] = recipe_name
+        steps.append(step)
+        print(f"{recipe_name:10s} decode step at {args.slots} rows: {step['step_ms'] or float('nan'):.3f} ms, roofline "
+              f"{step['roofline_step_ms_at_copy_bw']:.3f} ms ({100 * (step['fraction_of_copy_roofline'] or math.nan):.1f} %)",
+              flush=True)
+        write(False)
+
+    def point(recipe, scheduler):
+        return next((p for p in results if p["recipe"] == recipe and p["scheduler"] == scheduler), None)
+
+    for recipe_name in args.recipes.split(","):
+        c, s = point(recipe_name, "continuous"), point(recipe_name, "static")
+        if c and s:
+            ratio = c["steady_tokens_per_s"] / s["steady_tokens_per_s"]
+            comparison.setdefault("continuous_over_static", {})[recipe_name] = {
+                "steady": ratio, "end_to_end": c["tokens_per_s"] / s["tokens_per_s"],
+                "target": TARGETS["continuous_over_static"], "met": ratio >= TARGETS["continuous_over_static"]}
+    for step in steps:
+        f = step["fraction_of_copy_roofline"]
+        comparison.setdefault("roofline_fraction_at_slots", {})[step["recipe"]] = {
+            "fraction": f, "target": TARGETS["roofline_fraction_at_slots"],
+            "met": f is not None and f >= TARGETS["roofline_fraction_at_slots"]}
+    b, f8 = point("bf16", "continuous"), point("fp8_block", "continuous")
+    if b and f8:
+        ratio = f8["steady_tokens_per_s"] / b["steady_tokens_per_s"]
+        comparison["fp8_over_bf16"] = {"steady": ratio, "end_to_end": f8["tokens_per_s"] / b["tokens_per_s"],
+                                       "target": TARGETS["fp8_over_bf16"], "met": ratio >= TARGETS["fp8_over_bf16"]}
+    write(True)
+
+    print("\n| recipe | scheduler | wall s | compile s | tok/s | steady tok/s | decode steps | mean active |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p in results:
+        st = p["stats"]
+        print(f"| {p['recipe']} | {p['scheduler']} | {p['wall_s']:.2f} | {p['compile_s']:.2f} | {p['tokens_per_s']:.1f} | "
+              f"{p['steady_tokens_per_s']:.1f} | {st.get('decode_steps', float('nan')):.0f} | {st.get('mean_active_slots', float('nan')):.1f} |")
+    for name, entry in comparison.items():
+        print(f"{name}: {json.dumps(entry)}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
