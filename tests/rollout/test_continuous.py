@@ -86,21 +86,24 @@ def test_slot_refill_matches_static_and_each_row_alone(policy, static_reference)
     assert st["decode_calls"] >= (longest - 1) / 3 > other.last_stats["decode_calls"] / 2
 
 
-@pytest.mark.parametrize("page_size", [4, 16])
-def test_prefix_sharing_gives_the_bits_of_unshared_rows(policy, page_size):
-    """n = 6 samples per prompt on 4 slots (samples join their prompt's pages late, while others decode)."""
+@pytest.mark.parametrize("page_size,static_shapes", [(4, False), (16, True)])
+def test_prefix_sharing_gives_the_bits_of_unshared_rows(policy, page_size, static_shapes):
+    """n = 6 samples per prompt on 4 slots (samples join their prompt's pages late, while others decode); pages of 4
+    slots with shapes bucketed per call, pages of 16 with the module's static shapes."""
     prompts = [[3, 1, 4, 1, 5, 9, 2], [8] * 18, [2, 7, 1, 8, 2]]  # 7, 18 and 5 tokens: never whole pages
     params = [SamplingParams(temperature=1.0, max_new_tokens=m, n=6, seed=s, stop_token_ids=STOP)
               for m, s in ((12, 1), (5, 2), (16, 3))]
-    shared = _engine(policy, page_size=page_size, refill_every=4)
+    shared = _engine(policy, page_size=page_size, refill_every=4, static_shapes=static_shapes)
     out = shared.generate(prompts, params, return_routed_experts=True)
     st = shared.last_stats
     assert st["page_copies"] > 0 and st["late_shares"] > 0
     assert st["shared_pages"] > 0 and st["prefill_tokens"] < sum(len(p) * 6 for p in prompts)
-    unshared = _engine(policy, page_size=page_size, refill_every=4, prefix_sharing=False)
+    unshared = _engine(policy, page_size=page_size, refill_every=4, prefix_sharing=False, static_shapes=static_shapes)
     _same(unshared.generate(prompts, params, return_routed_experts=True), out)
     assert unshared.last_stats.get("page_copies", 0) == 0
     assert unshared.last_stats["prefill_tokens"] == sum(len(p) * 6 for p in prompts)
+    if not static_shapes:
+        return
     # identical prompts of different requests share too, and give the bits of the n-sample request
     again = shared.generate([prompts[0], prompts[0]], [params[0].for_sample(0), params[0].for_sample(2)])
     assert shared.last_stats["prefill_tokens"] == len(prompts[0]) and shared.last_stats["page_copies"] == 1
