@@ -27,6 +27,9 @@ def test_defaults_and_shipped_configs_validate():
     ("total_steps", 0, "config.total_steps"),
     ("rollout.ignore_eos", None, "config.rollout.ignore_eos: must be a bool"),
     ("rl.logprob_chunk_rows", -1, "config.rl.logprob_chunk_rows: must be an int >= 0"),
+    ("rollout.scheduler", "eager", "config.rollout.scheduler"),
+    ("rollout.kv_pages", -1, "config.rollout.kv_pages: must be an int >= 0"),
+    ("rollout.refill_every", 0, "config.rollout.refill_every: must be an int >= 1"),
 ])
 def test_bad_values_name_their_key(key, value, msg):
     c = base_config()

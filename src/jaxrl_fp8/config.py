@@ -89,6 +89,12 @@ def base_config() -> ml_collections.ConfigDict:
     # embedded engine with more than one device: "separate" = on one device of its own (sharded weights are
     # copied there); "collocated" = on the training mesh with the trainer's sharded weights (docs/decisions/0009)
     c.rollout.placement = "separate"
+    # embedded engine, separate placement: "continuous" (decode slots refilled as rows finish, prefix sharing) or
+    # "static" (chunks decoded until their longest row stops); KV page budget (0: max_batch rows of the longest
+    # sequence); decode steps on device between host refills (docs/decisions/0008)
+    c.rollout.scheduler = "continuous"
+    c.rollout.kv_pages = 0
+    c.rollout.refill_every = 64
 
     c.rl = ml_collections.ConfigDict()
     c.rl.advantage = "grpo"  # grpo | rloo | reinforce
@@ -144,6 +150,10 @@ def _check(cond: bool, key: str, message: str) -> None:
         raise ConfigError(f"config.{key}: {message}")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def validate_config(c: ml_collections.ConfigDict) -> None:
     """Raise ConfigError naming the key of the first value that cannot run. Cheap: no arrays, no files read."""
     _check(c.recipe in RECIPES, "recipe", f"{c.recipe!r} is not a recipe; choose one of {', '.join(RECIPES)}")
@@ -189,6 +199,10 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     _check(isinstance(r.ignore_eos, bool), "rollout.ignore_eos", f"must be a bool, got {r.ignore_eos!r}")
+    _check(r.get("scheduler", "continuous") in ("continuous", "static"), "rollout.scheduler",
+           f"{r.get('scheduler')!r}: continuous | static")
+    _check(_is_int(r.get("kv_pages", 0)) and r.get("kv_pages", 0) >= 0, "rollout.kv_pages", "must be an int >= 0 (0: the default)")
+    _check(_is_int(r.get("refill_every", 64)) and r.get("refill_every", 64) >= 1, "rollout.refill_every", "must be an int >= 1")
     rl = c.rl
     _check(rl.advantage in ("grpo", "rloo", "reinforce"), "rl.advantage", f"{rl.advantage!r}: grpo | rloo | reinforce")
     _check(0 < rl.eps_clip < 1, "rl.eps_clip", "must be in (0, 1)")

@@ -89,15 +89,17 @@ def _policies(c, recipe, model_cfg):
 def _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer, plan=None):
     """The rollout engine and the function that pushes new weights (version v+1) to it."""
     if c.rollout.engine == "embedded":
-        from jaxrl_fp8.rollout.embedded import EmbeddedEngine
+        from jaxrl_fp8.rollout.embedded import EmbeddedEngine, EngineConfig
 
         placement = None
         if c.rollout.get("placement", "separate") == "collocated" and plan is not None and plan.mesh.size > 1:
             from jaxrl_fp8.sharding import CollocatedPlacement
 
             placement = CollocatedPlacement(plan, moe=model.cfg.is_moe)  # the trainer's mesh and sharded weights
-        engine = EmbeddedEngine(model, recipe=recipe, policy=train_policy, max_batch=c.rollout.max_batch, max_seq_len=seq_len,
-                                eos_token_ids=tuple(tokenizer.stop_ids), seed=c.seed, placement=placement)
+        engine_config = EngineConfig(max_batch=c.rollout.max_batch, max_seq_len=seq_len, eos_token_ids=tuple(tokenizer.stop_ids),
+                                     seed=c.seed, scheduler=c.rollout.get("scheduler", "continuous"),
+                                     kv_pages=c.rollout.get("kv_pages", 0), refill_every=c.rollout.get("refill_every", 64))
+        engine = EmbeddedEngine(model, recipe=recipe, policy=train_policy, engine_config=engine_config, placement=placement)
         return engine, engine.update_params
     from jaxrl_fp8.rollout.sglang_engine import SGLangFleetEngine
 

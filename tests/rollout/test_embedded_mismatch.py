@@ -60,6 +60,7 @@ def _rollout(recipe_name, dtype="float32"):
     if (recipe_name, dtype) not in _CACHE:
         policy = random_policy(CFG, seed=3, dtype=dtype, recipe=get_recipe(recipe_name))
         engine = EmbeddedEngine(policy, **ENGINE_KW)
+        assert engine.scheduler == "continuous"  # the default: slots refilled as rows stop (4 rows, 4 slots here)
         _CACHE[recipe_name, dtype] = policy, engine.generate(PROMPTS, PARAMS, return_routed_experts=True)
     return _CACHE[recipe_name, dtype]
 
