@@ -9,6 +9,9 @@
 #   bash experiments/h200_runs.sh nvfp4      # NVFP4: GPU bit tests (v14, v12), the version / tiling sweep, SASS, ncu
 #   bash experiments/h200_runs.sh bandwidth  # every quantizer: wall-clock rounds + CUPTI kernel time, 256 MiB and 1 GiB
 #   bash experiments/h200_runs.sh decode     # embedded engine decode, BF16 vs FP8, batch 1 / 32 / 256, roofline
+#   bash experiments/h200_runs.sh rollout_workload [RECIPES]  # issue 22's RL rollout (64 x 16 rows, lengths to 8k):
+#                                            # continuous vs static, decode step vs roofline; RECIPES default bf16,fp8_block
+#                                            # (one recipe per call if both do not fit: bf16, then fp8_block)
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
 #   bash experiments/h200_runs.sh curves     # recipe curves (short RL runs, identical seeds)
 #   bash experiments/h200_runs.sh diag       # GPU vs CPU bits of the XLA quantizers per XLA flag set (experiments/checks)
@@ -16,7 +19,8 @@
 #   bash experiments/h200_runs.sh parallel 540   # the whole mismatch sweep and the recipe curves at once (below)
 #   bash experiments/h200_runs.sh rl_step    # issue 23's RL step yardstick, 1k responses (bf16, fp8_block, then mixed)
 #   bash experiments/h200_runs.sh rl_step_long  # the same at 4k responses (bf16, fp8_block, then mixed if time is left)
-# decode and mismatch write their JSON after every point / size, so a stage cut short keeps what it measured.
+# decode, rollout_workload and mismatch write their JSON after every point / size, so a stage cut short keeps what it
+# measured.
 # The GPU image lacks ml_collections, grain (+ array_record, portpicker) and tensorboardX: download their wheels into
 # .whl/ (the versions of .venv; `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux2014_x86_64 ...`), carry .whl and install them into a folder on PYTHONPATH first:
@@ -162,6 +166,9 @@ case "${1:-}" in
         --out "$OUT/quantize_nvfp4_h200.json" 2>&1 | quiet | tee "$OUT/quantize_nvfp4.log" | tail -8
     timeout 280 $PY experiments/benchmarks/quantize.py --kernels fp8_per_token_group,mxfp8,fp8_per_block --rounds 5 \
         --out "$OUT/quantize_h200.json" 2>&1 | quiet | tee "$OUT/quantize.log" | tail -12 ;;
+  rollout_workload) r="${2:-bf16,fp8_block}"
+              $PY experiments/benchmarks/rollout_workload.py --recipes "$r" --out "$OUT/rollout_workload_h200_${r/,/_}.json" 2>&1 \
+              | quiet | tee "$OUT/rollout_workload_${r/,/_}.log" ;;
   decode) $PY experiments/benchmarks/decode.py --batches 1,32,256 --gen-len 64 --repeats 2 --out "$OUT/decode_h200.json" 2>&1 | quiet | tee "$OUT/decode.log" ;;
   mismatch) $PY experiments/mismatch_study.py --sizes "${2:?size name, e.g. moe-60M}" --num-prompts 128 --max-new-tokens 64 \
               --append --out "$OUT/mismatch_h200" --compile-cache /tmp/jax_cache --no-progress 2>&1 | tail -20 ;;
