@@ -144,7 +144,10 @@ class ContinuousScheduler:
         self.stats = {k: float(v) for k, v in st.items()}
         if st["decode_steps"]:
             self.stats["mean_active_slots"] = st["active_slot_steps"] / st["decode_steps"]
-        assert all(r is not None for r in self.results), "continuous scheduler lost a row"
+        # page accounting: every row ran once and gave back every page it held (shared ones with their last holder)
+        if any(r is None for r in self.results) or self.prompts or self.pool.free_pages != self.num_pages:
+            raise RuntimeError(f"continuous scheduler: {sum(r is None for r in self.results)} rows unserved, "
+                               f"{len(self.prompts)} prompts and {self.num_pages - self.pool.free_pages} pages still held")
         return self.results
 
     # -------------------------------------------------------------------------------------- collect
