@@ -38,7 +38,7 @@ import timing  # noqa: E402  (this folder is on sys.path when the script runs)
 from jax import lax
 
 from jaxrl_fp8 import ops
-from jaxrl_fp8.ops import backends
+from jaxrl_fp8.ops import backends, block_scaled
 from jaxrl_fp8.ops import operands as O
 from jaxrl_fp8.ops.xla_gemm import dot_nt_f32
 
@@ -150,7 +150,7 @@ def breakdown(label, m, n, k, backend, iters, reps, gemm_configs=True):
     be_d = backends.resolve(backend, "fp8-block", k, n)
     mp = -(-m // 128) * 128
     be_w = backends.resolve(backend, "fp8-block", k, mp)
-    mm = lambda be, **kw: (lambda a, sa, b, sb: backends.block_scaled_matmul(a, sa, b, sb, backend=be, **kw))
+    mm = lambda be, **kw: (lambda a, sa, b, sb: block_scaled.block_scaled_matmul(a, sa, b, sb, backend=be, **kw))
 
     # ---- FP8 components, in the order the fwd+bwd runs them
     xq, sa = r.time("fp8", "quantize x (1x128)", lambda a: O.fp8_act(a, be_f), x)
