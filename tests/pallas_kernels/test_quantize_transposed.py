@@ -133,7 +133,7 @@ def test_transposed_rejects_bad_input():
 
 
 def test_ops_operand_is_the_composition():
-    """operands.fp8_act_transposed off the Mosaic backend is the old composition (and shapes off the kernel's)."""
+    """operands.fp8_act_transposed off the Mosaic backend is the composition pad + transpose + row quantizer (and shapes off the kernel's)."""
     for x in (rand((70, 128), 1, BF16), rand((3, 100), 2)):
         for be in ("xla", "interpret", None):
             q, s = O.fp8_act_transposed(x, be)
