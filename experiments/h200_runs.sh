@@ -2,7 +2,7 @@
 # The H200 measurements, one stage per call (each fits a 10-minute device command), outputs under $OUT.
 #   bash experiments/h200_runs.sh tests      # every -m gpu test (kernels, ops, converters), one log
 #   bash experiments/h200_runs.sh gemm       # experiments/benchmarks/gemm.py: dense, MoE (fwd + wgrad), linear fwd+bwd, torch anchors
-#   bash experiments/h200_runs.sh wgrad      # issue 23 (< 8 min): the FP8 MoE wgrad kernels' GPU tests, their timing (persistent
+#   bash experiments/h200_runs.sh wgrad      # (< 8 min): the FP8 MoE wgrad kernels' GPU tests, their timing (persistent
 #                                            # kernel configs, gather kernel, transposed_ragged_dot_mgpu) and the torch anchors
 #   bash experiments/h200_runs.sh breakdown  # FP8 linear fwd+bwd component times (incl. the GEMM tile variants)
 #   bash experiments/h200_runs.sh quantize   # FP8 / MXFP8 quantize GPU bit tests + their benchmark (copy anchor)
@@ -19,6 +19,8 @@
 #   bash experiments/h200_runs.sh parallel 540   # the whole mismatch sweep and the recipe curves at once (below)
 #   bash experiments/h200_runs.sh rl_step    # issue 23's RL step yardstick, 1k responses (bf16, fp8_block, then mixed)
 #   bash experiments/h200_runs.sh rl_step_long  # the same at 4k responses (bf16, fp8_block, then mixed if time is left)
+#   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
+#   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
 # decode, rollout_workload and mismatch write their JSON after every point / size, so a stage cut short keeps what it
 # measured.
 # The GPU image lacks ml_collections, grain (+ array_record, portpicker) and tensorboardX: download their wheels into
@@ -132,6 +134,11 @@ case "${1:-}" in
   rl_step) rl_step 1024 "${2:-540}" rl_step_h200_1k ;;
   rl_step_long) rl_step 4096 "${2:-540}" rl_step_h200_4k ;;
   parallel) parallel "${2:-540}" ;;
+  flash) $PY -m pytest -v -s -m gpu tests/pallas_kernels/test_attention.py tests/rollout/test_flash_rollout_gpu.py \
+      tests/model/test_flash_attention.py -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/flash_gpu_tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|bit-identical" ;;
+  train_long) XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-540}" $PY experiments/benchmarks/train_step_long.py \
+      --out "$OUT/train_step_long_h200.json" 2>&1 | quiet | tee "$OUT/train_step_long.log" ;;
   invariance) $PY experiments/checks/row_invariance.py --out "$OUT/row_invariance_h200.json" 2>&1 | quiet | tee "$OUT/invariance.log" ;;
   diag) $PY experiments/checks/nvfp4_gpu_diag.py --out "$OUT" --quick 2>&1 | quiet | tee "$OUT/diag.log" ;;
   tests) $PY -m pytest -v -m gpu tests -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
@@ -174,5 +181,5 @@ case "${1:-}" in
               --append --out "$OUT/mismatch_h200" --compile-cache /tmp/jax_cache --no-progress 2>&1 | tail -20 ;;
   curves) $PY experiments/recipe_curves.py --steps 100 --set data.prompts_per_step=64 --out "$OUT/recipe_curves_h200" \
               --runs-dir "$OUT/runs" --overwrite 2>&1 | tail -20 ;;
-  *) sed -n 2,18p "$0"; exit 2 ;;
+  *) sed -n 2,20p "$0"; exit 2 ;;
 esac

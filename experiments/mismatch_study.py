@@ -608,7 +608,7 @@ def _recipe_order(names: Sequence[str]) -> list[str]:
 
 
 def merge_results(old: dict, new: dict) -> dict:
-    """`old` and `new` as one result: a sweep split over several runs (one per device session, or sizes and
+    """`old` and `new` as one result: a sweep split over several runs (one per device command, or sizes and
     recipe groups run by separate processes at once). Settings and device must match; a (size, recipe) that
     `new` measured replaces `old`'s rows, everything else is kept. Recipes are the union, in the study's order."""
     for key in ("settings", "device", "high_precision_form"):  # results from before the form was recorded: "xla"

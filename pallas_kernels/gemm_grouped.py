@@ -36,7 +36,7 @@ from pallas_kernels.kernel_cache import traced_once
 GROUP, BLOCK, OFFSET, SIZE = range(4)
 
 # One K block per step and four stages for every shape: on the Qwen3-30B-A3B MoE shapes this beat the dense
-# kernel's deep-K choice (two blocks per step) for gate_up (K = 2048) in two of three H200 runs of 2026-12-01
+# kernel's deep-K choice (two blocks per step) for gate_up (K = 2048) in two of three H200 runs
 # (772 vs 742 and 820 vs 753 TFLOP/s; once equal, 792 vs 798), and it is what down (K = 768) always used. The
 # promotion order is the same, so the bits are too.
 DEFAULT_CONFIG = GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)

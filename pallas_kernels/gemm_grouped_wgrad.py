@@ -4,7 +4,7 @@ Operands as `jaxrl_fp8.ops.grouping.grouped_wgrad_fp8` takes them: dyt_q [N, M] 
 1x128 along M (the contraction) with scales [N, M/128] and [K, M/128]. A 128-row quantization group may
 straddle two experts; each expert must then see only its own rows of it.
 
-`grouped_wgrad_fp8` (issue 23): a persistent k-grouped kernel. One warp-specialized pipeline per SM for the whole
+`grouped_wgrad_fp8`: a persistent k-grouped kernel. One warp-specialized pipeline per SM for the whole
 call walks (expert, N tile, K tile) output tiles and, per tile, the expert's 128-row blocks, read by TMA in place
 from dyt_q / xt_q; the TMA ring runs on across tiles, so the next tile's loads stream during a tile's epilogue.
 Each expert's first and last block, when shared with another expert, come from a small pre-masked copy
@@ -141,7 +141,7 @@ def _check_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, w
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The persistent k-grouped kernel (issue 23).
+# The persistent k-grouped kernel.
 
 TILE = 128  # output tile: 128 rows of N (64 per compute warpgroup) x 128 columns of K
 

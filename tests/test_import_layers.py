@@ -1,4 +1,4 @@
-"""Our packages' import graph: no cycles among our modules, and the boundaries of DESIGN.md.
+"""Our packages' import graph: no cycles among our modules, and the package boundaries (docs/architecture.md).
 
 The graph is read from the source (ast), so it counts every import: module level, inside functions (a lazy import
 that dodges a cycle is still the cycle) and under TYPE_CHECKING. `from pkg import name` is an edge to the
@@ -14,16 +14,15 @@ ROOT = Path(__file__).parents[1]
 PACKAGES = {"jaxrl_fp8": ROOT / "src" / "jaxrl_fp8", "pallas_kernels": ROOT / "pallas_kernels",
             "converters": ROOT / "converters"}
 CLIS = {"jaxrl_fp8.train", "jaxrl_fp8.serve"}
-# Cycles that exist and are to be removed (issue 24: ops layered as reference math -> backends -> public ops). The
-# test fails on any other cycle, and on a listed one that is gone (so the list can only shrink).
-KNOWN_CYCLES = [
-    {"jaxrl_fp8.ops.backends", "jaxrl_fp8.ops.grouping", "jaxrl_fp8.ops.high_precision", "jaxrl_fp8.ops.xla_gemm"},
-]
+# jaxrl_fp8.ops, bottom up: reference math (no backend choice) -> backends -> public ops; a module imports only from
+# its own layer (acyclic: the cycle test) or a lower one
+OPS_LAYERS = (("reference", "xla_gemm", "grouping", "operands"), ("backends", "high_precision", "block_scaled"),
+              ("dense", "grouped"))
 
 
-def _modules() -> dict[str, Path]:
+def _modules(packages: dict[str, Path]) -> dict[str, Path]:
     found = {}
-    for pkg, base in PACKAGES.items():
+    for pkg, base in packages.items():
         for path in base.rglob("*.py"):
             parts = [pkg, *path.relative_to(base).with_suffix("").parts]
             if parts[-1] == "__init__":
@@ -40,8 +39,8 @@ def _resolve(module: str, level: int, current: str, is_package: bool) -> str:
     return ".".join(base + ([module] if module else []))
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = _modules()
+def import_graph(packages: dict[str, Path] = PACKAGES) -> dict[str, set[str]]:
+    modules = _modules(packages)
     graph = {}
     for name, path in modules.items():
         edges = set()
@@ -98,8 +97,8 @@ def _in(module: str, package: str) -> bool:
 
 
 def boundary_violations(graph: dict[str, set[str]]) -> list[str]:
-    """DESIGN.md: precision imports nothing of ours, pallas_kernels only precision, data nothing of ours, and nothing
-    imports the CLIs."""
+    """precision imports nothing of ours, pallas_kernels only precision, data nothing of ours, and nothing imports the
+    CLIs."""
     own = {"jaxrl_fp8.precision": ("jaxrl_fp8.precision",),
            "pallas_kernels": ("pallas_kernels", "jaxrl_fp8.precision"),
            "jaxrl_fp8.data": ("jaxrl_fp8.data",)}
@@ -115,25 +114,62 @@ def boundary_violations(graph: dict[str, set[str]]) -> list[str]:
     return sorted(bad)
 
 
+def ops_layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a lower ops layer to a higher one, and ops modules in no layer."""
+    layer = {f"jaxrl_fp8.ops.{m}": i for i, mods in enumerate(OPS_LAYERS) for m in mods}
+    layer["jaxrl_fp8.ops"] = len(OPS_LAYERS)  # the package re-exports the public ops
+    bad = [f"{m} is in no layer of OPS_LAYERS" for m in graph if _in(m, "jaxrl_fp8.ops") and m not in layer]
+    for src in layer.keys() & graph.keys():
+        bad += [f"{src} (layer {layer[src]}) imports {dst} (layer {layer[dst]})" for dst in graph[src]
+                if dst in layer and layer[dst] > layer[src]]
+    return sorted(bad)
+
+
 def test_no_import_cycles_among_our_modules():
-    found = cycles(import_graph())
-    new = [sorted(c) for c in found if c not in KNOWN_CYCLES]
-    gone = [sorted(c) for c in KNOWN_CYCLES if c not in found]
-    assert not new, f"import cycles: {new}"
-    assert not gone, f"these known cycles are gone (or changed): remove them from KNOWN_CYCLES: {gone}"
+    assert cycles(import_graph()) == []
 
 
 def test_design_boundaries_hold():
     assert boundary_violations(import_graph()) == []
+    assert ops_layer_violations(import_graph()) == []
 
 
-def test_the_checks_see_cycles_lazy_imports_and_violations():
-    """On a made-up graph: a lazy import closing a cycle, and a kernel importing the model."""
+def test_the_checks_see_cycles_and_violations():
+    """On made-up graphs: a three-module cycle and a two-module one, a kernel importing the model, an ops module
+    importing a higher layer and one in no layer."""
     graph = {"pallas_kernels.a": {"pallas_kernels.b"}, "pallas_kernels.b": {"pallas_kernels.a", "jaxrl_fp8.model"},
-             "jaxrl_fp8.model": set(), "jaxrl_fp8.rl": {"jaxrl_fp8.train"}, "jaxrl_fp8.train": set()}
-    assert cycles(graph) == [{"pallas_kernels.a", "pallas_kernels.b"}]
+             "jaxrl_fp8.model": set(), "jaxrl_fp8.rl": {"jaxrl_fp8.train"}, "jaxrl_fp8.train": set(),
+             "jaxrl_fp8.ops.x": {"jaxrl_fp8.ops.y"}, "jaxrl_fp8.ops.y": {"jaxrl_fp8.ops.z", "jaxrl_fp8.model"},
+             "jaxrl_fp8.ops.z": {"jaxrl_fp8.ops.x"}}
+    assert sorted(map(sorted, cycles(graph))) == [["jaxrl_fp8.ops.x", "jaxrl_fp8.ops.y", "jaxrl_fp8.ops.z"],
+                                                  ["pallas_kernels.a", "pallas_kernels.b"]]
+    assert cycles({k: v - {"pallas_kernels.a"} - {"jaxrl_fp8.ops.x"} for k, v in graph.items()}) == []
     assert boundary_violations(graph) == ["jaxrl_fp8.rl imports the CLI jaxrl_fp8.train",
                                           "pallas_kernels.b imports jaxrl_fp8.model (allowed: pallas_kernels, "
                                           "jaxrl_fp8.precision)"]
-    real = import_graph()
-    assert "jaxrl_fp8.ops.high_precision" in real["jaxrl_fp8.ops.xla_gemm"]  # a function-level import, counted
+    ops = {"jaxrl_fp8.ops.grouping": {"jaxrl_fp8.ops.backends"}, "jaxrl_fp8.ops.backends": set(),
+           "jaxrl_fp8.ops.dense": {"jaxrl_fp8.ops.grouping"}, "jaxrl_fp8.ops.new": set()}
+    assert ops_layer_violations(ops) == ["jaxrl_fp8.ops.grouping (layer 0) imports jaxrl_fp8.ops.backends (layer 1)",
+                                         "jaxrl_fp8.ops.new is in no layer of OPS_LAYERS"]
+
+
+def test_the_graph_counts_every_import(tmp_path):
+    """From source files: a cycle closed by a function-level import, one by an import under TYPE_CHECKING, one by a
+    relative `from . import name`, are each found; `import pkg.mod.attr` is an edge to pkg.mod."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "from pkg import b\n",
+        "b.py": "def f():\n    from pkg.a import thing\n",
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.d\n",
+        "d.py": "import pkg.c.something\n",
+        "sub/__init__.py": "from . import e\n",
+        "sub/e.py": "from .. import sub\n",
+        "f.py": "import os\nimport pkg.a\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    graph = import_graph({"pkg": pkg})
+    assert graph["pkg.f"] == {"pkg.a"} and graph["pkg.d"] == {"pkg.c"}
+    assert sorted(map(sorted, cycles(graph))) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"], ["pkg.sub", "pkg.sub.e"]]

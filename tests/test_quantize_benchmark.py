@@ -79,8 +79,8 @@ def test_device_time_without_cupti_is_an_error_entry(bench):
 
 def test_nvfp4_floor_probe_lowers_for_cuda():
     """experiments/benchmarks/nvfp4_floor.py runs only on a GPU; its pipeline probe (every output subset, the dynamic
-    schedule, bfloat16 and float32 rows) must still build a Mosaic GPU module here, so it can't break between GPU
-    sessions."""
+    schedule, bfloat16 and float32 rows) must still build a Mosaic GPU module here, so it can't break unseen between
+    GPU runs."""
     sys.path.insert(0, str(_DIR))
     try:
         spec = importlib.util.spec_from_file_location("nvfp4_floor", _DIR / "nvfp4_floor.py")

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_fp8 import ops
-from jaxrl_fp8.ops import reference as R
+from jaxrl_fp8.ops import block_scaled, reference as R
 from jaxrl_fp8.precision.fp8 import quantize_fp8_per_block, quantize_fp8_per_token_group
 from pallas_kernels import gemm_dense, gemm_grouped
 from timing import bench, write_results  # this folder is on sys.path when the script runs
@@ -90,7 +90,7 @@ def dense_suite(m, n, k, configs, label, baseline=None):
     try_run(f"xla_fp8_nt {label}", lambda: record(f"xla_fp8_nt_unscaled {label}", (m, n, k), flops, bench(nt, a8, b8)))
     xq, sa = quantize_fp8_per_token_group(a16, 128)
     wq, sb = quantize_fp8_per_block(b16, (128, 128))
-    xla_path = jax.jit(lambda a, s, b, t: ops.xla_gemm.block_scaled_matmul(a, s, b, t, out_dtype=jnp.bfloat16))
+    xla_path = jax.jit(lambda a, s, b, t: block_scaled.block_scaled_matmul(a, s, b, t, backend="xla", out_dtype=jnp.bfloat16))
     if m * n * k <= 8192**3:
         try_run(f"xla_blockscaled {label}", lambda: record(f"xla_block_scaled(scan) {label}", (m, n, k), flops, bench(xla_path, xq, sa, wq, sb, iters=3, reps=2)))
     variants = [(gemm_dense, cfg, "ours_dense") for cfg in configs]

@@ -3,14 +3,14 @@
 For each shape (M, N, K) (x [M, K] bf16, w [N, K] float32 master, upstream gradient g [M, N] bf16, as in
 gemm.py's fwd+bwd suite) this times, jitted and each on its own:
 
-  fp8  quantize x (1x128)        quantize w (128x128)       forward GEMM (bf16 out, as ops now does; f32 out
-                                                            + XLA cast, as it did)
+  fp8  quantize x (1x128)        quantize w (128x128)       forward GEMM (bf16 out, as ops does; f32 out
+                                                            + XLA cast, the unfused alternative)
        quantize g (1x128)        W^T for dgrad (XLA)        dgrad GEMM (bf16 out)
        pad + transpose g, x (XLA, materialised)             quantize g^T, x^T (row kernel on the copies)
        fused transpose+quantize g, x (quantize_transposed)  wgrad GEMM (column-scale mode)
-       whole fwd+bwd (jax.value_and_grad of ops.linear, the current code), the same with the old wgrad
-       operand path (pad + transpose + row quantize) patched in, and with that and the old float32 forward
-       output (= the code before the fused kernel), for an A/B in the same run;
+       whole fwd+bwd (jax.value_and_grad of ops.linear as it is), the same with the unfused wgrad operand
+       path (pad + transpose + row quantize) patched in, and with that and a float32 forward GEMM output (cast
+       by XLA), for an A/B of the fused kernels in the same run (the labels call the patched ops "previous");
        on the Mosaic backend also the three GEMMs under two other tile configs (--no-gemm-configs: skip)
   bf16 forward dot, dgrad dot, wgrad dot, whole fwd+bwd
 
@@ -38,7 +38,7 @@ import timing  # noqa: E402  (this folder is on sys.path when the script runs)
 from jax import lax
 
 from jaxrl_fp8 import ops
-from jaxrl_fp8.ops import backends
+from jaxrl_fp8.ops import backends, block_scaled
 from jaxrl_fp8.ops import operands as O
 from jaxrl_fp8.ops.xla_gemm import dot_nt_f32
 
@@ -65,8 +65,8 @@ def _pad_rows(a, multiple=128):
 
 @contextlib.contextmanager
 def old_wgrad_operands(f32_forward=False):
-    """ops with the previous wgrad operand path (pad + XLA transpose + the row quantizer), and optionally
-    the previous float32 forward GEMM output (cast to bf16 by XLA after the kernel)."""
+    """ops with the unfused wgrad operand path (pad + XLA transpose + the row quantizer), and optionally a
+    float32 forward GEMM output (cast to bf16 by XLA after the kernel)."""
     from jaxrl_fp8.ops import dense
 
     saved, saved_out = O.fp8_act_transposed, dense._GEMM_OUT_DTYPES
@@ -150,7 +150,7 @@ def breakdown(label, m, n, k, backend, iters, reps, gemm_configs=True):
     be_d = backends.resolve(backend, "fp8-block", k, n)
     mp = -(-m // 128) * 128
     be_w = backends.resolve(backend, "fp8-block", k, mp)
-    mm = lambda be, **kw: (lambda a, sa, b, sb: backends.block_scaled_matmul(a, sa, b, sb, backend=be, **kw))
+    mm = lambda be, **kw: (lambda a, sa, b, sb: block_scaled.block_scaled_matmul(a, sa, b, sb, backend=be, **kw))
 
     # ---- FP8 components, in the order the fwd+bwd runs them
     xq, sa = r.time("fp8", "quantize x (1x128)", lambda a: O.fp8_act(a, be_f), x)

@@ -184,7 +184,7 @@ def cases(quick: bool, kernels=KERNELS):
     if set(kernels) <= {"nvfp4", "mxfp8"} and not quick:
         return ab_cases(kernels)
     T = Q.TileConfig
-    dyn, nobar = T(schedule="dynamic"), T(auto_barriers=False)  # session 19 candidates, not yet timed
+    dyn, nobar = T(schedule="dynamic"), T(auto_barriers=False)  # candidates: dynamic schedule, no automatic barriers
     dyn_nobar = T(schedule="dynamic", auto_barriers=False)
     tok_cfgs = [T(), dyn, nobar, dyn_nobar, T(stages=4), T(rows=128, ctas_per_sm=1), T(division="div_rn"),
                 T(division="divf")]
@@ -446,7 +446,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1,
                     help="kernel calls per host dispatch when timing (one jitted program over that many input copies), "
                          "meant to keep host dispatch from starving the GPU; 1 (default) = one call per dispatch. "
-                         "On the H200 (session 20) 8 made every 256 MiB config 2-17 %% slower per call (median 10 %%), "
+                         "On the H200 8 made every 256 MiB config 2-17 %% slower per call (median 10 %%), "
                          "unexplained: compare with the CUPTI kernel times")
     ap.add_argument("--iters", type=int, default=50,
                     help="calls enqueued back to back per timed repetition (default 50): the first call's enqueue and "

@@ -10,7 +10,7 @@ Scales: scale_a [M, K/128] outer-dim-major (stride (1, M)), scale_b [K/128, N/12
 
 MoE (routed rows sorted by expert, multinomial sizes with seed 0 as gemm.py's): `torch._grouped_mm` BF16 forward
 (2d x 3d) and k-grouped weight gradient (2d x 2d, offsets along the contraction, out [E, N, K]); FP8
-`torch._scaled_grouped_mm` forward with row-wise scales (fast accumulation, as REFERENCE.md measured it) and, where
+`torch._scaled_grouped_mm` forward with row-wise scales (fast accumulation) and, where
 this torch has it, block-wise scaled grouped forms. Group offsets that torch rejects are retried rounded up to 16
 rows (the result says so: `aligned16`). Every attempt that fails is recorded with its error, not raised.
 

@@ -13,9 +13,9 @@ What it runs, in one fresh child process per XLA_FLAGS setting (flags must be se
   stages      the NVFP4 chain of docs/decisions/0001, every intermediate returned by ONE jit (so the graph
               is fused as a whole): global amax, g, block amax, amax/6, /g, min(.,448), the e4m3 cast (bits),
               its float32 decode, d = bs*g, x/d, clamp, E2M1 codes, packed bytes.
-  variants    how the block scale is decoded back to float32 (the suspect): "astype" (the old contract:
-              bs.astype(f32), a convert chain XLA:GPU's SimplifyFPConversions may delete), "bits"
-              (precision.arith.fp8_to_f32, the current contract), "barrier" (optimization_barrier before the
+  variants    how the block scale is decoded back to float32 (the suspect): "astype" (a convert:
+              bs.astype(f32), a chain XLA:GPU's SimplifyFPConversions may delete), "bits"
+              (precision.arith.fp8_to_f32, the contract's decode), "barrier" (optimization_barrier before the
               cast); and "plain_div" (bits decode but `/` instead of ieee_div: does XLA rewrite x / d?).
   finals      precision.quantize_nvfp4 itself jitted alone (global amax: tensor / given 4.0 / per row;
               four_over_six too), quantize_dequantize_activation (fp8/mxfp8/nvfp4), and FP8 per-block /
@@ -44,7 +44,7 @@ FLAG_SETS = {
     "import_default": "",  # jaxrl_fp8's import adds IEEE_DIV and --xla_allow_excess_precision=false
     "excess_precision_true": f"{IEEE_DIV} --xla_allow_excess_precision=true",
     "div_full": "--xla_backend_extra_options=-nvptx-prec-divf32=1 --xla_allow_excess_precision=false",
-    # Hypothesis after the 2026-12-01 H200 run (decision record 0001): the remaining differences come from the
+    # Hypothesis (decision record 0001): the remaining differences come from the
     # Triton-emitted reduction fusions (XLA's "softmax" matcher catches amax -> broadcast -> divide), which
     # lower float32 division themselves. This set keeps those patterns in XLA's own emitters.
     "no_triton_fusions": f"{IEEE_DIV} --xla_allow_excess_precision=false --xla_gpu_enable_triton_softmax_fusion=false "
@@ -92,8 +92,8 @@ def _inputs(quick: bool):
     # 6. the benchmark's float32 case pattern (rows scaled 2^-8 .. 2^7), smaller
     out["bench_f32_pattern"] = (rng.standard_normal((1024, 1024)) * np.exp2(rng.integers(-8, 8, (1024, 1)))).astype(np.float32)
     # 7. tests/converters/test_gpu_bitwise.py's stress tensor (its own generator): rows 1e-6 .. 1e3, a zero row, partial
-    # blocks. On the H200 (2026-12-01) its jitted FP8 block quantization differed from the CPU in 213 of 549,120
-    # codes (the 8 printed at or next to e4m3 ties), while the division and the cast alone, each jitted on the GPU, agreed.
+    # blocks. On the H200 its jitted FP8 block quantization differs from the CPU in 213 of 549,120 codes (the 8
+    # printed at or next to e4m3 ties), while the division and the cast alone, each jitted on the GPU, agree.
     srng = np.random.default_rng(0)
     stress = srng.standard_normal((520, 1056)).astype(np.float32) * np.exp(srng.uniform(np.log(1e-6), np.log(1e3), (520, 1))).astype(np.float32)
     stress[7] = 0

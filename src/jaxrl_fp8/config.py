@@ -236,8 +236,9 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
 
 def math_rl_config(*, workdir: str, recipe: str, checkpoint: str, dataset: str = "/data/dapo-math-17k.jsonl",
                    hardware: str = "auto", routing_replay: bool = True) -> ml_collections.ConfigDict:
-    """The seed guide's GPU recipes share everything but the recipe and the checkpoint: math prompts with a
-    boxed-answer reward, 32 prompts x 8 samples, 4k-token responses, TIS on, lr 1e-6, 4 minibatches."""
+    """The GPU math-RL configs (experiments/configs/qwen3_30b_a3b_{fp8,mxfp8,nvfp4}.py, qwen3_4b_bf16_train_fp8_rollout.py)
+    share everything but the recipe and the checkpoint: math prompts with a boxed-answer reward, 32 prompts x 8
+    samples, 4k-token responses, TIS on, lr 1e-6, 4 minibatches."""
     c = base_config()
     c.workdir = workdir
     c.recipe = recipe

@@ -26,17 +26,16 @@ except ImportError:  # script mode on a machine without pytest
 
 
 CASES = [("hf_to_fp8", ()), ("hf_to_fp8", ("--pow2-scale",)), ("hf_to_fp8", ("--strategy", "channel")), ("hf_to_mxfp8", ())]
-# NVFP4 through XLA:GPU: bitwise with the CPU since the contract fences both operands of every division (the
-# H200, 2026-12-01: this test passed, stress tensor and both CLI cases; it was an expected failure before).
+# NVFP4 through XLA:GPU: bitwise with the CPU, the contract fencing both operands of every division (passed on the
+# H200: stress tensor and both CLI cases).
 NVFP4_CASES = [("hf_to_nvfp4", ("--quantize-dense",)), ("hf_to_nvfp4", ("--four-over-six",))]
-# Measured on the H200 (2026-11-30), XLA_FLAGS with -nvptx-prec-divf32=2 set and a raw GPU division IEEE in 100k of
-# 100k: the 520x1056 stress tensor matches the CPU in every format, but converting the tiny checkpoints on the GPU
-# gives different FP8 block scales in 22 of 95 tensors (expert gate/up first). The CPU results equal an
-# independent numpy IEEE statement (checked), so the GPU lowering is the odd one out; cause not found yet.
-# Measured on the H200 (2026-12-01, after the contract's divisions were fenced on both operands): the stress tensor's
-# FP8 block quantization now differs too, in 213 of 549,120 values (the 8 printed sit at or next to e4m3 rounding
-# ties); the division and the cast alone agree GPU vs CPU, so the fused program differs (experiments/checks/nvfp4_gpu_diag.py, input
-# converter_stress, runs it under each flag set, no_triton_fusions included).
+# FP8 gaps on the H200 (XLA_FLAGS with -nvptx-prec-divf32=2, a raw GPU division IEEE in 100k of 100k): the stress
+# tensor's jitted FP8 block quantization differs from the CPU in 213 of 549,120 values (the 8 printed sit at or next
+# to e4m3 rounding ties) while the division and the cast alone agree, so the fused program differs
+# (experiments/checks/nvfp4_gpu_diag.py, input converter_stress, runs it under each flag set, no_triton_fusions
+# included); converting the tiny checkpoints on the GPU gave other FP8 block scales in 22 of 95 tensors (expert
+# gate/up first; measured with only the divisor fenced). The CPU results equal an independent numpy IEEE statement
+# (checked), so the GPU lowering is the odd one out; cause not found.
 FP8_STRESS_GAP = ("contract gap (measured on the H200): the jitted FP8 block quantization of the stress tensor differs "
                   "GPU vs CPU in 213 of 549,120 values (the printed ones at e4m3 ties); division and cast alone agree")
 FP8_SMALL_GAP = ("contract gap (measured on the H200): FP8 block scales of the tiny checkpoints differ GPU vs CPU in 22 of "

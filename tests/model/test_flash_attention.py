@@ -66,3 +66,29 @@ def test_paged_decode_equals_full_forward_bitwise(policy):
         logits.append(np.asarray(out.logits))
     full = np.asarray(policy.forward(ids, precision="rollout").logits)
     np.testing.assert_array_equal(np.concatenate(logits, 1), full)
+
+
+def test_engine_on_flash_kernels_matches_trainer(policy):
+    """The embedded engine on the paged kernels (prefill + decode over pages of 128): its log-probs are the trainer
+    recomputation's (fused training kernel) — bit for bit where XLA:CPU's dots are row invariant, else within
+    BF16 rounding of the surrounding GEMMs."""
+    from jaxrl_fp8.ops.xla_gemm import cpu_dots_row_invariant
+    from jaxrl_fp8.rollout import sampling
+    from jaxrl_fp8.rollout.embedded import EmbeddedEngine
+    from jaxrl_fp8.rollout.types import SamplingParams
+
+    engine = EmbeddedEngine(policy, max_batch=2, max_seq_len=24)
+    assert engine.paged and engine._attention == "flash" and engine._page_size == PAGE_SIZE
+    samples = engine.generate([[1, 2, 3, 4, 5], [7, 8, 9]],
+                              SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=5))
+    for s in samples:
+        ids = s.token_ids[None].astype(np.int32)
+        logits = policy.forward(ids, precision="train").logits
+        lp = np.asarray(sampling.token_logprobs(logits, np.roll(ids, -1, axis=1), np.ones(ids.shape, np.float32)))
+        p = s.prompt_ids.size
+        trainer = lp[0, p - 1 : p - 1 + s.response_ids.size]
+        assert s.response_ids.size == 4
+        if jax.default_backend() == "gpu" or cpu_dots_row_invariant():
+            np.testing.assert_array_equal(trainer, s.rollout_logprobs)
+        else:
+            np.testing.assert_allclose(trainer, s.rollout_logprobs, atol=2e-2)

@@ -1,7 +1,8 @@
 """Grouped FP8 wgrad kernels: experts sharing 128-row quantization blocks, empty experts, tail rows; interpret and H200.
 
-`grouped_wgrad_fp8` is the persistent k-grouped kernel (issue 23), `grouped_wgrad_fp8_gather` the first version; the
-new kernel must give the old one's bits (same blocks, block order and block math), in interpret mode and on the GPU.
+`grouped_wgrad_fp8` is the persistent k-grouped kernel, `grouped_wgrad_fp8_gather` (rows gathered to 128-aligned
+offsets) its oracle: the persistent kernel must give the gather kernel's bits (same blocks, block order and block
+math), in interpret mode and on the GPU.
 """
 
 import functools

@@ -133,7 +133,7 @@ def test_transposed_rejects_bad_input():
 
 
 def test_ops_operand_is_the_composition():
-    """operands.fp8_act_transposed off the Mosaic backend is the old composition (and shapes off the kernel's)."""
+    """operands.fp8_act_transposed off the Mosaic backend is the composition pad + transpose + row quantizer (and shapes off the kernel's)."""
     for x in (rand((70, 128), 1, BF16), rand((3, 100), 2)):
         for be in ("xla", "interpret", None):
             q, s = O.fp8_act_transposed(x, be)
@@ -193,13 +193,13 @@ def test_gpu_linear_fp8_backward_unchanged():
     c = jnp.asarray(rng.standard_normal((m, n)), BF16)
     loss = lambda x, w: jnp.sum((ops.linear(x, w, fmt="fp8-block", backward="fp8", backend="mosaic") * c).astype(F32))
     dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
-    # the same wgrad from the old composition, through the same GEMM kernel
-    from jaxrl_fp8.ops import backends
+    # the same wgrad composed by hand (pad, transpose, row quantizer), through the same GEMM kernel
+    from jaxrl_fp8.ops import block_scaled
 
     g = c
     gtq, sgt = O.fp8_act(jnp.pad(g, [(0, 24), (0, 0)]).T, "mosaic")
     xtq, sxt = O.fp8_act(jnp.pad(x, [(0, 24), (0, 0)]).T, "mosaic")
-    dw_ref = backends.block_scaled_matmul(gtq, sgt, xtq, sxt, b_rows_per_scale=1, backend="mosaic")
+    dw_ref = block_scaled.block_scaled_matmul(gtq, sgt, xtq, sxt, b_rows_per_scale=1, backend="mosaic")
     np.testing.assert_array_equal(np.asarray(dw).view(np.uint32), np.asarray(dw_ref).view(np.uint32))
     assert np.isfinite(np.asarray(dx, np.float32)).all()
 
@@ -208,7 +208,7 @@ def test_gpu_linear_fp8_backward_unchanged():
 
 
 def _forward_bits_equal(backend, m=200, n=256, k=384):
-    from jaxrl_fp8.ops import backends
+    from jaxrl_fp8.ops import block_scaled
 
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((m, k)) * np.exp2(rng.integers(-30, 30, size=(m, 1))), BF16)
@@ -216,7 +216,7 @@ def _forward_bits_equal(backend, m=200, n=256, k=384):
     y = jax.jit(lambda x, w: ops.linear(x, w, fmt="fp8-block", backend=backend))(x, w)
     xq, sa = O.fp8_act(x, backend)
     wq, sb = O.fp8_weight(w, backend)
-    ref = backends.block_scaled_matmul(xq, sa, wq, sb, backend=backend).astype(BF16)  # the previous forward
+    ref = block_scaled.block_scaled_matmul(xq, sa, wq, sb, backend=backend).astype(BF16)  # float32 GEMM, then cast
     assert y.dtype == BF16
     assert_same(y, ref, f"linear forward ({backend})")
 

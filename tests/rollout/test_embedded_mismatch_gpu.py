@@ -3,7 +3,7 @@
 On CPU the unified recipes are bitwise (test_embedded_mismatch.py). On the GPU the Pallas GEMMs and quantizers are
 row invariant; cuBLAS is not, so every product outside them runs on the Pallas BF16 kernel (ops.high_precision's
 split form, the default on Hopper). With the model's "exact" attention that makes the unified recipes bitwise
-(test_gpu_split3_unified_recipes_bitwise; H200 2026-12-01: bf16, fp8_block, mxfp8, nvfp4 all 100 % of 768 tokens).
+(test_gpu_split3_unified_recipes_bitwise, on the H200: bf16, fp8_block, mxfp8, nvfp4 all 100 % of 768 tokens).
 With XLA's einsum attention (its products are cuBLAS calls) they are not: the first test measures how far, against
 the mixed recipe (H200, split form: bf16 mean |dlogp| 3.7e-4, 40 % bit-identical; fp8_block 1.8e-3, 54 %;
 mixed 3.4e-2). Run with -s for the numbers.

@@ -5,7 +5,7 @@ transfer guard that forbids any host<->device copy), keeps them sharded (experts
 of whole quantization blocks), and samples with the trainer's sharded forward (expert-parallel MoE, rows over
 the batch axes). The trainer's recomputed log-probs (R3 replay) equal the rollout's bit for bit for fp8_block
 and bf16. The engine on one device ("separate") is measured too: it is bitwise as well, because the forward is
-row invariant (decision record 0009 says why the earlier separate engine was not).
+row invariant (docs/architecture.md, "Row invariance").
 """
 
 import json

@@ -1,9 +1,12 @@
-"""Which implementation runs a GEMM: the Mosaic GPU kernel, the XLA path, or interpret mode.
+"""Which implementation runs a GEMM: the Mosaic GPU kernel, the XLA path, or interpret mode; the BF16 grouped GEMMs
+run on their choice here (the FP8 block-scaled ones in `ops.block_scaled`, above `ops.high_precision`, whose block
+product they take).
 
 `None` (auto) picks a Mosaic GPU kernel on a Hopper GPU when the shape fits one — the block-scaled FP8
 kernels for fp8-block GEMMs, the BF16 grouped kernel for every BF16 expert GEMM (bf16 format, the
-dequantized emulated formats, the BF16 backward) — and the XLA path everywhere else (dense BF16 GEMMs
-always take XLA's cuBLAS dot). "interpret" runs the Pallas kernel through Mosaic GPU's CPU interpreter (tests).
+dequantized emulated formats, the BF16 backward) — and the XLA path everywhere else (dense BF16 GEMMs take no
+backend: they run in the form `ops.high_precision` selects). "interpret" runs the Pallas kernel through Mosaic
+GPU's CPU interpreter (tests).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import functools
 
 import jax
 
-from jaxrl_fp8.ops import xla_gemm
+from jaxrl_fp8.ops import grouping
 
 BACKENDS = ("xla", "mosaic", "interpret")
 
@@ -72,8 +75,6 @@ def resolve_bf16_grouped_wgrad(backend: str | None, n: int, k: int) -> str:
 def bf16_grouped_wgrad(dy, x, group_sizes, num_groups: int, *, backend: str):
     """float32 [E, N, K] = per expert dy[rows]^T . x[rows], BF16 operands."""
     if backend == "xla":
-        from jaxrl_fp8.ops import grouping
-
         return grouping.grouped_wgrad(dy, x, group_sizes, num_groups)
     from pallas_kernels import gemm_grouped_wgrad
 
@@ -84,46 +85,9 @@ def bf16_grouped_matmul(x, w, group_sizes, *, backend: str, layout: str = "nk"):
     """float32 [M, O] = x . w[g]^T ("nk", w [E, O, C]) or x . w[g] ("kn", w [E, C, O]), BF16 operands."""
     bf16 = jax.numpy.bfloat16
     if backend == "xla":
-        from jaxrl_fp8.ops import grouping
-
         return grouping.grouped_dot(x, w if layout == "nk" else jax.numpy.swapaxes(w, 1, 2), group_sizes)
     from pallas_kernels import gemm_grouped_bf16
 
     return gemm_grouped_bf16.grouped_matmul(
         x.astype(bf16), w.astype(bf16), group_sizes, layout=layout, interpret=backend == "interpret"
-    )
-
-
-def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, backend: str, b_rows_per_scale: int = 128, out_dtype=jax.numpy.float32):
-    if backend == "xla":
-        return xla_gemm.block_scaled_matmul(a_q, a_scale, b_q, b_scale, b_rows_per_scale=b_rows_per_scale, out_dtype=out_dtype)
-    from pallas_kernels import gemm_dense
-
-    return gemm_dense.block_scaled_matmul(
-        a_q, a_scale, b_q, b_scale, b_rows_per_scale=b_rows_per_scale, out_dtype=out_dtype, interpret=backend == "interpret"
-    )
-
-
-def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, backend: str, out_dtype=jax.numpy.float32):
-    if backend == "xla":
-        from jaxrl_fp8.ops import grouping
-
-        return grouping.grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype)
-    from pallas_kernels import gemm_grouped
-
-    return gemm_grouped.grouped_block_scaled_matmul(
-        a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype, interpret=backend == "interpret"
-    )
-
-
-def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, backend: str):
-    """FP8 grouped weight gradient [E, N, K] float32 (operands quantized 1x128 along M)."""
-    if backend == "xla":
-        from jaxrl_fp8.ops import grouping
-
-        return grouping.grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups)
-    from pallas_kernels import gemm_grouped_wgrad
-
-    return gemm_grouped_wgrad.grouped_wgrad_fp8(
-        dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups, interpret=backend == "interpret"
     )

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_fp8.ops import backends, operands as O
+from jaxrl_fp8.ops import backends, block_scaled, operands as O
 from jaxrl_fp8.ops.high_precision import high_precision_dot
 from jaxrl_fp8.precision import formats as F
 
@@ -61,7 +61,7 @@ def _forward(x, w, fmt, backend, out_dtype=F32):
         xq, sa = O.fp8_act(x, be)
         wq, sb = O.fp8_weight(w, be)
         gemm_out = out_dtype if jnp.dtype(out_dtype) in _GEMM_OUT_DTYPES else F32
-        return backends.block_scaled_matmul(xq, sa, wq, sb, backend=be, out_dtype=gemm_out), (xq, sa, wq, sb)
+        return block_scaled.block_scaled_matmul(xq, sa, wq, sb, backend=be, out_dtype=gemm_out), (xq, sa, wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
     return high_precision_dot(xd, wd), (xd, wd)
 
@@ -87,12 +87,12 @@ def fp8_backward(g, x, wq, sb, backend, dx_dtype=F32):
     k = x.shape[1]
     be = backends.resolve(backend, F.FP8_BLOCK, k, n)
     gq, sg = O.fp8_act(g, be)
-    dx = backends.block_scaled_matmul(gq, sg, wq.T, sb.T, backend=be, out_dtype=dx_dtype)
+    dx = block_scaled.block_scaled_matmul(gq, sg, wq.T, sb.T, backend=be, out_dtype=dx_dtype)
     mp = -(-m // 128) * 128  # wgrad contracts over M, zero-padded to whole 128-row groups
     be = backends.resolve(backend, F.FP8_BLOCK, k, mp)
     gtq, sgt = O.fp8_act_transposed(g, be)  # == fp8_act(pad_rows(g, 128).T), without the transposed copy
     xtq, sxt = O.fp8_act_transposed(x, be)
-    dw = backends.block_scaled_matmul(gtq, sgt, xtq, sxt, b_rows_per_scale=1, backend=be)
+    dw = block_scaled.block_scaled_matmul(gtq, sgt, xtq, sxt, b_rows_per_scale=1, backend=be)
     return dx, dw
 
 

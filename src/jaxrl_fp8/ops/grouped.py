@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_fp8.ops import backends, grouping, operands as O
+from jaxrl_fp8.ops import backends, block_scaled, grouping, operands as O
 from jaxrl_fp8.precision import formats as F
 
 F32 = jnp.float32
@@ -49,7 +49,7 @@ def _forward(x, w, gs, fmt, backend):
         be = backends.resolve(backend, fmt, n, k)
         xq, sa = O.fp8_act(x, be)
         wq, sb = O.fp8_weight(w, be)
-        return backends.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, backend=be), (xq, sa, wq, sb)
+        return block_scaled.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, backend=be), (xq, sa, wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
     return _bf16_dot(xd, wd, gs, backend), (xd, wd)
 
@@ -79,11 +79,11 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
         be, be_fwd = backends.resolve(backend, F.FP8_BLOCK, k, n), backends.resolve(backend, F.FP8_BLOCK, n, k)
         wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w, be_fwd)
         gq, sg = O.fp8_act(g, be)
-        dx = backends.grouped_block_scaled_matmul(gq, sg, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(sb, 1, 2), gs, backend=be)
+        dx = block_scaled.grouped_block_scaled_matmul(gq, sg, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(sb, 1, 2), gs, backend=be)
         xm = _rows_in_groups(x, gs)
         gtq, sgt = O.fp8_act_transposed(g, be)
         xtq, sxt = O.fp8_act_transposed(xm, be)
-        dw = backends.grouped_wgrad_fp8(gtq, sgt, xtq, sxt, gs, e, backend=be_fwd)  # [E, N, K]: the weight's shape
+        dw = block_scaled.grouped_wgrad_fp8(gtq, sgt, xtq, sxt, gs, e, backend=be_fwd)  # [E, N, K]: the weight's shape
     else:
         a, b = O.backward_operands(backward, fmt, x, w, kept)
         dx = _bf16_dot(g, b, gs, backend, layout="kn")

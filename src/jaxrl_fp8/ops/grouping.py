@@ -4,6 +4,9 @@ The grouped GEMMs never compute every expert on every row (which is what `lax.ra
 CPU: a masked dense product over all groups). Rows are sorted by group, so row tile t of size T meets at
 most a few groups; the work list holds one item per (group, tile) pair that shares a row. Its length is
 bounded statically by ceil(M / T) + E (each group boundary splits at most one tile), so it jits.
+
+Reference math like `xla_gemm` (which it builds on): XLA only, no backend choice; the FP8 paths take the block
+product `block_dot` from `ops.block_scaled`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_fp8.ops.xla_gemm import F32, block_scaled_matmul, dot_nt_f32, dot_tn_f32
+from jaxrl_fp8.ops.xla_gemm import F32, block_scaled_matmul, dot_nt_f32, dot_tn_f32, xla_block_dot
 
 
 @jax.tree_util.register_dataclass
@@ -110,13 +113,14 @@ def grouped_dot(x, w, group_sizes, *, out_dtype=F32, compute_dtype=jnp.bfloat16)
     return grouped_rows_apply(rows_fn, (x.astype(compute_dtype),), group_sizes, m, n, e, xla_row_tile(m, e), out_dtype)
 
 
-def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_dtype=F32):
-    """Grouped block math: rows of group g use b_q[g] [N, K] with 128x128 scales b_scale[g]."""
+def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_dtype=F32, block_dot=xla_block_dot):
+    """Grouped block math: rows of group g use b_q[g] [N, K] with 128x128 scales b_scale[g] (`block_dot`: as in
+    `xla_gemm.block_scaled_matmul`)."""
     m = a_q.shape[0]
     e, n, _ = b_q.shape
 
     def rows_fn(tiles, g):
-        return block_scaled_matmul(tiles[0], tiles[1], b_q[g], b_scale[g])
+        return block_scaled_matmul(tiles[0], tiles[1], b_q[g], b_scale[g], block_dot=block_dot)
 
     return grouped_rows_apply(rows_fn, (a_q, a_scale), group_sizes, m, n, e, xla_row_tile(m, e), out_dtype)
 
@@ -143,7 +147,7 @@ def grouped_wgrad(dy, x, group_sizes, num_groups: int, *, compute_dtype=jnp.bflo
     return dw
 
 
-def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int):
+def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, block_dot=xla_block_dot):
     """FP8 grouped wgrad: operands quantized 1x128 along M (the contraction axis), in 128-row tiles.
 
     dyt_q [N, M] e4m3 with dyt_scale [N, ceil(M/128)]; xt_q [K, M] with xt_scale [K, ceil(M/128)].
@@ -164,7 +168,7 @@ def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups:
         bt = lax.dynamic_slice_in_dim(b, t * tile_rows, tile_rows, 1)
         sa = lax.dynamic_slice_in_dim(dyt_scale, t, 1, 1)
         sb = lax.dynamic_slice_in_dim(xt_scale, t, 1, 1)
-        part = block_scaled_matmul(at, sa, bt, sb, b_rows_per_scale=1)
+        part = block_scaled_matmul(at, sa, bt, sb, b_rows_per_scale=1, block_dot=block_dot)
         g = items.group[i]
         return dw.at[g].add(part), None
 

@@ -24,6 +24,8 @@ the XLA grouped path elsewhere), "split3-interpret" (the kernel in interpret mod
 Cost of split3: up to three tensor-core products instead of one, a float32 weight's split recomputed on every call,
 and the grouped kernel's N / 128 CTAs on narrow decode GEMMs (decision record 0008 has the decode numbers;
 experiments/benchmarks/decode.py records the form it ran under).
+`block_dot` gives the XLA path of the FP8 block-scaled GEMMs (`ops.block_scaled`) its product of one K block in the
+same form.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_fp8.ops import backends
-from jaxrl_fp8.ops.xla_gemm import dot_nt_f32, dot_tn_f32
+from jaxrl_fp8.ops.xla_gemm import dot_nt_f32, dot_tn_f32, xla_block_dot
 from jaxrl_fp8.precision.arith import bf16_to_f32
 
 F32 = jnp.float32
@@ -134,3 +136,15 @@ def high_precision_dot(x: jax.Array, w: jax.Array, form: str | None = None) -> j
         common = jnp.promote_types(x.dtype, w.dtype)  # a float32 x BF16 pair is a float32 product
         return dot_nt_f32(x.astype(common), w.astype(common))
     return _split3(x, w, backend)
+
+
+def block_dot(form: str | None = None):
+    """The product of one K block of e4m3 values in the XLA path of the block-scaled GEMMs (`ops.block_scaled`).
+    Under the "xla" form (CPU) an XLA dot; under split3 (Hopper: the form that makes every product outside the
+    kernels row invariant) the values, exact in bfloat16, go to the row-invariant Pallas BF16 kernel: a cuBLAS dot's
+    summation order may change with M, which made the unified fp8-block recipe differ from its rollout by ~1e-9 on
+    layers too narrow for the FP8 kernels (H200, tiny config: key / value projections of width 64)."""
+    form = effective_form(form)
+    if form == "xla":
+        return xla_block_dot
+    return lambda ab, bb: high_precision_dot(ab.astype(BF16), bb.astype(BF16), form)

@@ -10,10 +10,14 @@ accumulated in a fixed sequential order (a scan), so one row's result never depe
 XLA:CPU's matrix-vector path (M == 1) sums in another order than its matrix-matrix path, so a lone row is
 padded to two rows (measured: M >= 2 gives identical rows for every M tried, M == 1 does not).
 This module's own products stayed row invariant on every host tried, but XLA:CPU's dots in general are a property of
-the host: on an AVX2-only AMD EPYC (session 18) a plain float32 [M, K] . [K, N] dot of fewer than about 61 rows gives
-other last bits than the same rows in a larger product (turning off XLA's YNNPACK dot fusion changed which cases
-differ, so kernel choice by size is the likely cause; not established). `cpu_dots_row_invariant` measures the host;
-the four CPU tests that compare such products across M run only where it holds (marker `row_invariant_cpu`).
+the host: on an AVX2-only AMD EPYC a plain float32 [M, K] . [K, N] dot of fewer than about 61 rows gives other last
+bits than the same rows in a larger product (turning off XLA's YNNPACK dot fusion changed which cases differ, so
+kernel choice by size is the likely cause; not established). `cpu_dots_row_invariant` measures the host; the four CPU
+tests that compare such products across M run only where it holds (marker `row_invariant_cpu`).
+
+Reference math of the ops layers (with `grouping` and the float64 `reference`): it chooses no backend. The product
+of one K block is a parameter, `block_dot`; `ops.block_scaled` passes the high-precision form's (an XLA dot on CPU,
+the Pallas BF16 kernel under split3 on Hopper).
 """
 
 from __future__ import annotations
@@ -69,25 +73,17 @@ def expand_b_scale(b_scale: jax.Array, n: int, b_rows_per_scale: int) -> jax.Arr
     return jnp.repeat(b_scale, b_rows_per_scale, axis=0)[:n]
 
 
-def _block_dot():
-    """The float32 product of one K block of e4m3 values. Under the "xla" high-precision form (CPU) an XLA dot;
-    under split3 (Hopper: the form that makes every product outside the kernels row invariant) the values, exact
-    in bfloat16, go to the row-invariant Pallas BF16 kernel: a cuBLAS dot's summation order may change with M,
-    which made the unified fp8-block recipe differ from its rollout by ~1e-9 on layers too narrow for the FP8
-    kernels (H200, tiny config: key / value projections of width 64)."""
-    from jaxrl_fp8.ops import high_precision  # imports this module
-
-    form = high_precision.effective_form()
-    if form == "xla":
-        return lambda ab, bb: lax.dot_general(ab, bb, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-    bf16 = jnp.bfloat16
-    return lambda ab, bb: high_precision.high_precision_dot(ab.astype(bf16), bb.astype(bf16), form)
+def xla_block_dot(ab: jax.Array, bb: jax.Array) -> jax.Array:
+    """The float32 product ab [M, 128] . bb [N, 128]^T of one K block (e4m3 values as float32): an XLA dot."""
+    return lax.dot_general(ab, bb, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = BLOCK, out_dtype=F32):
+def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = BLOCK, out_dtype=F32,
+                        block_dot=xla_block_dot):
     """C[M, N] = A[M, K] . B[N, K]^T with 1x128 scales on A and 128x128 (or 1x128) scales on B.
 
     a_q e4m3 [M, K], a_scale f32 [M, ceil(K/128)]; b_q e4m3 [N, K], b_scale f32 [ceil(N/g), ceil(K/128)].
+    `block_dot(ab, bb)`: the float32 product of one K block (see module doc).
     """
     m, k = a_q.shape
     n = b_q.shape[0]
@@ -106,8 +102,6 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = B
     b_blocks = b.reshape(n, kb, BLOCK).transpose(1, 0, 2)  # [KB, N, 128]
     sa = jnp.pad(a_scale.astype(F32), [(0, mp - m), (0, 0)]).T  # [KB, M]
     sb = expand_b_scale(b_scale.astype(F32), n, b_rows_per_scale).T  # [KB, N]
-
-    block_dot = _block_dot()
 
     def step(acc, xs):
         ab, bb, sak, sbk = xs

@@ -288,16 +288,26 @@ class EmbeddedEngine:
         self._weights = self._prepare(model, str(weight_version))
         self.model_path = self.config.model_path
         self.last_stats: dict[str, float] = {}
-        self._attention = resolve_impl(cfg.attention_impl, cfg.head_dim, self._weights.dtype)
         self._page_size, self._kv_pages = self._page_layout()
+
+    @property
+    def _attention(self) -> str:
+        """The attention the current weights run (their dtype decides whether the flash kernels take them)."""
+        cfg = self.model_config
+        return resolve_impl(cfg.attention_impl, cfg.head_dim, self._weights.dtype)
 
     def _page_layout(self) -> tuple[int, int]:
         """(slots per page, pages of the pool) of the paged cache (the separate placement; collocated rows are split
-        over devices and keep a dense cache). A budget smaller than one max_seq_len row is allowed: requests whose
-        row cannot fit are rejected by `_rows`."""
-        ec = self.config
-        ps = ec.page_size or (PAGE_SIZE if self._attention == "flash" else 16)
-        if self._attention == "flash" and ps != PAGE_SIZE:
+        over devices and keep a dense cache). Pages are the flash kernels' key block wherever BF16 weights would
+        run them (a trainer may hand FP32 weights first and BF16 later); other attention reads any page size. A
+        budget smaller than one max_seq_len row is allowed: requests whose row cannot fit are rejected by `_rows`."""
+        ec, cfg = self.config, self.model_config
+        try:
+            flash = resolve_impl(cfg.attention_impl, cfg.head_dim, jnp.bfloat16) == "flash"
+        except ValueError:  # "flash" forced on a model the kernels do not take: the first forward says so
+            flash = False
+        ps = ec.page_size or (PAGE_SIZE if flash else 16)
+        if flash and ps != PAGE_SIZE:
             raise ValueError(f"EngineConfig.page_size={ps}: the flash attention kernel reads pages of {PAGE_SIZE} slots "
                              "(its key block); use 0 or 128")
         return ps, ec.kv_pages or ec.max_batch * pages_for(ec.max_seq_len, ps)
