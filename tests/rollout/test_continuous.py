@@ -93,15 +93,20 @@ def test_prefix_sharing_gives_the_bits_of_unshared_rows(policy, page_size, stati
     prompts = [[3, 1, 4, 1, 5, 9, 2], [8] * 18, [2, 7, 1, 8, 2]]  # 7, 18 and 5 tokens: never whole pages
     params = [SamplingParams(temperature=1.0, max_new_tokens=m, n=6, seed=s, stop_token_ids=STOP)
               for m, s in ((12, 1), (5, 2), (16, 3))]
-    shared = _engine(policy, page_size=page_size, refill_every=4, static_shapes=static_shapes)
+    # (bucketed shapes: at most 32 prompt slots per prefill call, i.e. one 18-token prompt, or four of 5-7 tokens)
+    budget = dict(static_shapes=static_shapes, max_prefill_tokens=8192 if static_shapes else 32)
+    shared = _engine(policy, page_size=page_size, refill_every=4, **budget)
     out = shared.generate(prompts, params, return_routed_experts=True)
     st = shared.last_stats
     assert st["page_copies"] > 0 and st["late_shares"] > 0
     assert st["shared_pages"] > 0 and st["prefill_tokens"] < sum(len(p) * 6 for p in prompts)
-    unshared = _engine(policy, page_size=page_size, refill_every=4, prefix_sharing=False, static_shapes=static_shapes)
+    unshared = _engine(policy, page_size=page_size, refill_every=4, prefix_sharing=False, **budget)
     _same(unshared.generate(prompts, params, return_routed_experts=True), out)
     assert unshared.last_stats.get("page_copies", 0) == 0
     assert unshared.last_stats["prefill_tokens"] == sum(len(p) * 6 for p in prompts)
+    if not static_shapes:  # every prefill call within max_prefill_tokens
+        st = unshared.last_stats
+        assert st["prefill_calls"] > 4 and st["prefill_padded_tokens"] <= 32 * st["prefill_calls"]
     if not static_shapes:
         return
     # identical prompts of different requests share too, and give the bits of the n-sample request
@@ -118,7 +123,7 @@ def _relabel(sample, prompt_index):
 
 def test_page_exhaustion_rows_wait_and_every_request_runs_once(policy, static_reference):
     """A pool of 8 pages of 4 slots (a row needs up to 6): rows wait for pages, none is lost or run twice."""
-    eng = _engine(policy, page_size=4, kv_pages=8, refill_every=2, max_prefill_tokens=24)
+    eng = _engine(policy, page_size=4, kv_pages=8, refill_every=2)
     out = eng.generate(PROMPTS, PARAMS, return_routed_experts=True)
     _same(out, static_reference)
     st = eng.last_stats

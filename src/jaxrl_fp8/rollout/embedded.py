@@ -103,7 +103,9 @@ class EngineConfig:
     # loop still stops when every row is done); e.g. a 1-token and a 64-token request then compile once
     min_new_bucket: int = 1
     # True: every chunk runs at (max_batch rows, max_seq_len prompt/cache/response), so exactly one program
-    # compiles (steady serving, tests); False: shapes are bucketed to powers of two per chunk.
+    # compiles (steady serving, tests); False: shapes are bucketed to powers of two per chunk. The continuous
+    # scheduler then prefills max_batch x max_seq_len tokens per prefill call (max_prefill_tokens does not apply):
+    # for tests and small engines.
     static_shapes: bool = False
     seed: int = 0  # draws the base seed of requests that bring none
     model_path: str = ""

@@ -213,7 +213,7 @@ class ContinuousScheduler:
             if prompt is None:  # a leader: its prompt is prefilled in this batch
                 pb = self.prompt_bucket if ec.static_shapes else max(prompt_bucket, _bucket(plen, ec.min_prompt_bucket))
                 u = self.slots if ec.static_shapes else _bucket(len(leaders) + 1, 1, self.slots)
-                if leaders and u * pb > ec.max_prefill_tokens:
+                if leaders and not ec.static_shapes and u * pb > ec.max_prefill_tokens:
                     break
                 if not self.pool.can_allocate(self.need[r]):
                     break
