@@ -25,6 +25,8 @@ def test_tiny_workload_runs_and_reports_targets(tmp_path):
     r = json.loads(out.read_text())
     assert r["complete"] and r["tiny"] and r["device"]["platform"] == "cpu" and r["versions"]["jax"]
     assert r["workload"]["rows"] == 12 and r["model"]["num_experts"] == 8
+    steps = r["workload"]["decode_steps_from_lengths"]
+    assert steps["static_request_order"] >= steps["static_sorted"] >= steps["continuous"] >= steps["all_slots_busy"]
     assert {(x["recipe"], x["scheduler"]) for x in r["results"]} == {
         (a, b) for a in ("bf16", "fp8_block") for b in ("continuous", "static")}
     for x in r["results"]:

@@ -102,6 +102,27 @@ def draw_lengths(args, rng) -> np.ndarray:
     return np.clip(np.rint(raw), 1, args.max_len).astype(np.int64)
 
 
+def step_counts(lengths: np.ndarray, samples: int, slots: int) -> dict:
+    """Decode steps each scheduler needs on these lengths, from the lengths alone (no model): static chunks of
+    `slots` rows in request order / sorted by length (a chunk runs to its longest row), and continuous slots refilled
+    the moment a row ends, prompt groups longest first (the scheduler's order). The ratio bounds what continuous
+    batching can gain if a step cost the same at any number of active rows."""
+    import heapq
+
+    chunks = lambda xs: [xs[i : i + slots] for i in range(0, len(xs), slots)]  # noqa: E731
+    groups = sorted((list(range(g, g + samples)) for g in range(0, len(lengths), samples)),
+                    key=lambda g: -max(lengths[i] for i in g))
+    queue = [i for g in groups for i in g][::-1]
+    running, t = [], 0
+    while queue or running:
+        while queue and len(running) < slots:
+            heapq.heappush(running, t + int(lengths[queue.pop()]))
+        t = heapq.heappop(running)
+    return {"static_request_order": int(sum(c.max() for c in chunks(lengths))),
+            "static_sorted": int(sum(c.max() for c in chunks(np.sort(lengths)))),
+            "continuous": int(t), "all_slots_busy": float(lengths.sum() / slots)}
+
+
 class CompileClock:
     """Seconds spent tracing / lowering / compiling while it is active (jax.monitoring events)."""
 
@@ -218,6 +239,7 @@ def main(argv=None) -> int:
     total_tokens = int(lengths.sum())
     print(f"device {dev.device_kind} ({dev.platform}); model {counts['total'] / 1e9:.3f}B params; "
           f"{len(prompts)} rows, {total_tokens} response tokens (mean {lengths.mean():.0f}, max {lengths.max()})", flush=True)
+    print(f"decode steps from the lengths alone: {step_counts(lengths, args.samples, args.slots)}", flush=True)
     bw_copy = decode_bench.copy_bandwidth(args.copy_mib)
     print(f"copy bandwidth {bw_copy / 1e12:.3f} TB/s", flush=True)
     clock = CompileClock()
@@ -247,6 +269,7 @@ def main(argv=None) -> int:
                                  "p90": float(np.percentile(lengths, 90)), "p99": float(np.percentile(lengths, 99)),
                                  "max": int(lengths.max()), "at_cap": int((lengths == args.max_len).sum())},
                 "sampling": "temperature 1, no top-k / top-p, one request per sample (the prompt repeated), per-sample seeds",
+                "decode_steps_from_lengths": step_counts(lengths, args.samples, args.slots),
             },
             "engine": {"slots": args.slots, "kv_pages": args.kv_pages, "refill_every": args.refill_every,
                        "static_order": args.static_order, "static_shapes": args.static_shapes},
