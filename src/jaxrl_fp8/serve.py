@@ -67,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-loop", default="while", choices=["while", "python"],
                    help="while: the decode loop is a lax.while_loop inside one jitted program; python: one "
                    "jitted step per token driven from Python.")
+    p.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
+                   help="continuous: decode slots refilled as rows finish, one paged KV pool per batch, a prompt's "
+                   "samples share its pages; static: chunks of max-batch rows decoded until their longest row stops.")
+    p.add_argument("--kv-pages", type=int, default=0,
+                   help="KV page budget (0: max-batch rows of max-seq-len); rows wait for pages, never truncated.")
     p.add_argument("--static-shapes", action="store_true",
                    help="Run every batch at (max-batch, max-seq-len) so exactly one program compiles; "
                    "default: shapes bucketed to powers of two.")
@@ -88,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_batch", "max_seq_len", "max_batch_prompts"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.kv_pages < 0:
+        p.error(f"--kv-pages must be >= 0 (0: the default), got {args.kv_pages}")
     if args.batch_window_ms < 0:
         p.error(f"--batch-window-ms must be >= 0, got {args.batch_window_ms}")
     return args
@@ -128,7 +135,7 @@ def build_engine(args: argparse.Namespace):
     """The EmbeddedEngine the flags describe."""
     from jaxrl_fp8.model import from_pretrained, random_policy
     from jaxrl_fp8.precision import get_recipe
-    from jaxrl_fp8.rollout.embedded import EmbeddedEngine
+    from jaxrl_fp8.rollout.embedded import EmbeddedEngine, EngineConfig
 
     recipe = get_recipe(args.recipe)
     if os.path.isdir(args.checkpoint):
@@ -148,11 +155,12 @@ def build_engine(args: argparse.Namespace):
         raise SystemExit(f"--checkpoint {args.checkpoint!r} is neither a checkpoint directory, 'tiny', nor a .json config")
     if args.eos_token_id is not None:
         eos = args.eos_token_id
-    return EmbeddedEngine(
-        policy, recipe=recipe, max_batch=args.max_batch, max_seq_len=args.max_seq_len, eos_token_ids=eos,
-        decode_loop=args.decode_loop, static_shapes=args.static_shapes, seed=args.seed, model_path=model_path,
-        weight_version=args.weight_version,
+    engine_config = EngineConfig(
+        max_batch=args.max_batch, max_seq_len=args.max_seq_len, eos_token_ids=tuple(eos), decode_loop=args.decode_loop,
+        static_shapes=args.static_shapes, seed=args.seed, model_path=model_path, scheduler=args.scheduler,
+        kv_pages=args.kv_pages,
     )
+    return EmbeddedEngine(policy, recipe=recipe, engine_config=engine_config, weight_version=args.weight_version)
 
 
 def _write_port_file(path: str, port: int) -> None:
