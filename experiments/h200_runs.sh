@@ -11,7 +11,8 @@
 #   bash experiments/h200_runs.sh decode     # embedded engine decode, BF16 vs FP8, batch 1 / 32 / 256, roofline
 #   bash experiments/h200_runs.sh rollout_workload [RECIPES]  # issue 22's RL rollout (64 x 16 rows, lengths to 8k):
 #                                            # continuous vs static, decode step vs roofline; RECIPES default bf16,fp8_block
-#                                            # (one recipe per call if both do not fit: bf16, then fp8_block)
+#                                            # (one recipe per call if both do not fit: bf16, then fp8_block,
+#                                            # appended into one $OUT/rollout_workload_h200.json)
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
 #   bash experiments/h200_runs.sh curves     # recipe curves (short RL runs, identical seeds)
 #   bash experiments/h200_runs.sh diag       # GPU vs CPU bits of the XLA quantizers per XLA flag set (experiments/checks)
@@ -174,7 +175,7 @@ case "${1:-}" in
     timeout 280 $PY experiments/benchmarks/quantize.py --kernels fp8_per_token_group,mxfp8,fp8_per_block --rounds 5 \
         --out "$OUT/quantize_h200.json" 2>&1 | quiet | tee "$OUT/quantize.log" | tail -12 ;;
   rollout_workload) r="${2:-bf16,fp8_block}"
-              $PY experiments/benchmarks/rollout_workload.py --recipes "$r" --out "$OUT/rollout_workload_h200_${r/,/_}.json" 2>&1 \
+              $PY experiments/benchmarks/rollout_workload.py --recipes "$r" --append --out "$OUT/rollout_workload_h200.json" 2>&1 \
               | quiet | tee "$OUT/rollout_workload_${r/,/_}.log" ;;
   decode) $PY experiments/benchmarks/decode.py --batches 1,32,256 --gen-len 64 --repeats 2 --out "$OUT/decode_h200.json" 2>&1 | quiet | tee "$OUT/decode.log" ;;
   mismatch) $PY experiments/mismatch_study.py --sizes "${2:?size name, e.g. moe-60M}" --num-prompts 128 --max-new-tokens 64 \

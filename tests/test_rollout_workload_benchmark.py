@@ -38,3 +38,12 @@ def test_tiny_workload_runs_and_reports_targets(tmp_path):
     assert isinstance(r["comparison"]["fp8_over_bf16"]["met"], bool)
     assert all(s["bytes_per_step"]["weights_read"] > 0 and s["roofline_step_ms_at_copy_bw"] > 0 for s in r["decode_step"])
     assert "| recipe | scheduler |" in p.stdout
+    # one recipe per run, appended into one JSON: the other recipe's points are kept, the comparisons span both
+    q = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--recipes", "fp8_block", "--append", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert q.returncode == 0, f"{q.stdout[-4000:]}\n{q.stderr[-6000:]}"
+    again = json.loads(out.read_text())
+    assert [x["recipe"] for x in again["results"]] == ["bf16", "bf16", "fp8_block", "fp8_block"]
+    assert again["results"][:2] == r["results"][:2] and again["results"][2:] != r["results"][2:]
+    assert again["comparison"]["bitwise_equal"] == {"bf16": True, "fp8_block": True}
+    assert "fp8_over_bf16" in again["comparison"] and len(again["decode_step"]) == 2

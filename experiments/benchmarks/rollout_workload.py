@@ -86,6 +86,8 @@ def parse_args(argv=None):
                    help="EngineConfig.static_shapes: one program per engine (--tiny: compile time dominates on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--append", action="store_true",
+                   help="keep the points of other recipes already in --out (one recipe per device command, one JSON)")
     args = p.parse_args(argv)
     if args.tiny:
         args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim = 2, 128, 4, 2, 32
@@ -246,6 +248,16 @@ def main(argv=None) -> int:
     path = args.out or os.path.join(HERE, "results", f"rollout_workload_{'cpu_tiny' if args.tiny else dev.platform}.json")
     results, steps = [], []
     comparison: dict = {}
+    recipes = args.recipes.split(",")
+    if args.append and os.path.exists(path):  # keep the other recipes' points of an earlier run (same workload)
+        with open(path) as f:
+            prior = json.load(f)
+        if prior.get("workload", {}).get("response_tokens") != total_tokens or prior.get("model", {}).get("num_hidden_layers") != cfg.num_hidden_layers:
+            raise SystemExit(f"--append: {path} holds another workload or model; use another --out")
+        results += [p for p in prior["results"] if p["recipe"] not in recipes]
+        steps += [p for p in prior["decode_step"] if p["recipe"] not in recipes]
+        kept = {p["recipe"] for p in results}
+        comparison["bitwise_equal"] = {k: v for k, v in prior.get("comparison", {}).get("bitwise_equal", {}).items() if k in kept}
 
     def write(complete: bool):
         out = {
@@ -295,7 +307,7 @@ def main(argv=None) -> int:
         os.replace(tmp, path)
 
     schedulers = args.schedulers.split(",")
-    for recipe_name in args.recipes.split(","):
+    for recipe_name in recipes:
         recipe = get_recipe(recipe_name)
         policy = Policy(model, recipe=recipe)
         by_scheduler = {}
@@ -339,7 +351,7 @@ def main(argv=None) -> int:
     def point(recipe, scheduler):
         return next((p for p in results if p["recipe"] == recipe and p["scheduler"] == scheduler), None)
 
-    for recipe_name in args.recipes.split(","):
+    for recipe_name in sorted({p["recipe"] for p in results}):
         c, s = point(recipe_name, "continuous"), point(recipe_name, "static")
         if c and s:
             ratio = c["steady_tokens_per_s"] / s["steady_tokens_per_s"]
