@@ -16,7 +16,7 @@ gets there by construction, not by tolerance:
   per-row seeds folded with the response step).
 
 Generation, continuous batching (`EngineConfig.scheduler="continuous"`, the default of the separate
-placement; `rollout.scheduler`): `max_batch` decode slots over ONE paged KV pool (`model.cache.PagedKVCache`,
+placement; host side in `rollout/scheduler.py`, device programs in `rollout/programs.py`): `max_batch` decode slots over ONE paged KV pool (`model.cache.PagedKVCache`,
 `kv_pages` pages) for the whole call. The device decodes many steps in a `lax.while_loop` (no host round trip
 per token) until a slot frees while rows wait, `refill_every` steps ran, or all are done; then the host
 collects finished rows, releases their pages and admits waiting rows into the free slots (a prefill into the
