@@ -72,6 +72,7 @@ class ContinuousScheduler:
         plens = [len(r.prompt) for r in rows]
         tokens = [p + r.params.max_new_tokens for p, r in zip(plens, rows)]
         self.need = [pages_for(t, ps) for t in tokens]
+        self.stats: dict[str, float] = {}
         if not rows:
             return
         if ec.static_shapes:  # one shape per engine: every call reuses the same programs
@@ -98,7 +99,6 @@ class ContinuousScheduler:
         self.slot_row: list[int | None] = [None] * self.slots
         self.free_slots = list(range(self.slots - 1, -1, -1))
         self.results: list[Sample | None] = [None] * len(rows)
-        self.stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> list[Sample]:
