@@ -31,21 +31,16 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_slice import add_model_slice_args, apply_tiny_slice, model_config_from_args  # noqa: E402
+
 HBM_SPEC_BPS = 4.8e12  # H200 datasheet
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny model, small batches: a CPU smoke test")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--moe-inter", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=32768)
+    add_model_slice_args(p, layers=6, experts=32, top_k=4, vocab=32768)
     p.add_argument("--batches", default="1,32,256", help="comma-separated batch sizes")
     p.add_argument("--recipes", default="bf16,fp8_block", help="comma-separated recipe names (rollout format runs)")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -59,22 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="JSON path (default: experiments/benchmarks/results/decode_<device>.json)")
     args = p.parse_args(argv)
     if args.tiny:
-        args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim = 2, 128, 4, 2, 32
-        args.experts, args.top_k, args.moe_inter, args.vocab = 8, 2, 128, 512
+        apply_tiny_slice(args)
         args.batches, args.prompt_len, args.gen_len, args.repeats, args.copy_mib = "1,4", 16, 16, 3, 64
     return args
-
-
-def model_config(args):
-    from jaxrl_fp8.model import ModelConfig
-
-    return ModelConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        intermediate_size=4 * args.hidden, moe_intermediate_size=args.moe_inter, num_experts=args.experts,
-        num_experts_per_tok=args.top_k, norm_topk_prob=True, max_position_embeddings=8192,
-        attention_impl=args.attention,
-    )
 
 
 def copy_bandwidth(mib: int) -> float:
@@ -195,7 +177,7 @@ def main(argv=None) -> int:
     from jaxrl_fp8.rollout.embedded import EmbeddedEngine, EngineConfig
 
     dev = jax.devices()[0]
-    cfg = model_config(args)
+    cfg = model_config_from_args(args, max_position_embeddings=8192)
     model = Qwen3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     counts = param_counts(cfg, model)
     print(f"device {dev.device_kind} ({dev.platform}); model {counts['total'] / 1e9:.3f}B params, "

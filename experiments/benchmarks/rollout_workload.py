@@ -47,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import decode as decode_bench  # noqa: E402  (copy bandwidth, bytes per step, experts touched)
+from model_slice import add_model_slice_args, apply_tiny_slice, model_config_from_args  # noqa: E402
 
 TARGETS = {"continuous_over_static": 3.0, "roofline_fraction_at_slots": 0.5, "fp8_over_bf16": 1.3}
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -56,15 +57,7 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/j
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny model and workload: a CPU smoke run")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--moe-inter", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=151936)
+    add_model_slice_args(p, layers=4)  # Qwen3-30B-A3B's shapes: 128 experts top-8, vocab 151936
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=256)
@@ -90,8 +83,7 @@ def parse_args(argv=None):
                    help="keep the points of other recipes already in --out (one recipe per device command, one JSON)")
     args = p.parse_args(argv)
     if args.tiny:
-        args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim = 2, 128, 4, 2, 32
-        args.experts, args.top_k, args.moe_inter, args.vocab = 8, 2, 128, 512
+        apply_tiny_slice(args)
         args.prompts, args.samples, args.prompt_len, args.max_len, args.median_len = 3, 4, 12, 40, 8.0
         args.slots, args.refill_every, args.step_new, args.repeats, args.copy_mib = 4, 8, 8, 1, 16
         args.static_shapes = True
@@ -214,18 +206,13 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxrl_fp8.model import ModelConfig, Policy, Qwen3
+    from jaxrl_fp8.model import Policy, Qwen3
     from jaxrl_fp8.precision import get_recipe
     from jaxrl_fp8.rollout.embedded import EmbeddedEngine, EngineConfig
     from jaxrl_fp8.rollout.types import SamplingParams
 
     dev = jax.devices()[0]
-    cfg = ModelConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=4 * args.hidden,
-        moe_intermediate_size=args.moe_inter, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        norm_topk_prob=True, max_position_embeddings=max(8192, args.prompt_len + args.max_len),
-        attention_impl=args.attention)
+    cfg = model_config_from_args(args, max_position_embeddings=max(8192, args.prompt_len + args.max_len))
     model = Qwen3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(args.seed))
     counts = decode_bench.param_counts(cfg, model)
     rng = np.random.default_rng(args.seed)
