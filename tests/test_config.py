@@ -1,6 +1,6 @@
 import pytest
 
-from jaxrl_fp8.config import ConfigError, base_config, validate_config
+from jaxrl_fp8.config import ConfigError, as_benchmark_run, base_config, validate_config
 
 
 def test_defaults_and_shipped_configs_validate():
@@ -71,3 +71,17 @@ def test_gpu_recipe_configs_load_and_fail_only_on_missing_paths(name):
     # here the checkpoint directory does not exist: validation must say so, naming the key
     with pytest.raises(ConfigError, match="config.model.checkpoint"):
         validate_config(c)
+
+
+def test_as_benchmark_run_turns_off_checkpoints_logging_and_eval():
+    c = base_config()
+    c.logging.eval_every_steps = 10
+    before = c.to_dict()
+    assert as_benchmark_run(c) is c
+    assert (c.checkpoint.save, c.checkpoint.resume, c.checkpoint.export_final_hf) == (False, False, False)
+    assert (c.logging.tensorboard, c.logging.plot_at_end, c.logging.progress_bar) == (False, False, False)
+    assert c.logging.eval_every_steps == 0
+    changed = {(s, k) for s in before if isinstance(before[s], dict) for k in before[s] if before[s][k] != c[s][k]}
+    assert changed == {("checkpoint", k) for k in ("save", "resume", "export_final_hf")} | {
+        ("logging", k) for k in ("tensorboard", "plot_at_end", "progress_bar", "eval_every_steps")}
+    validate_config(c)

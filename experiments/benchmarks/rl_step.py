@@ -212,7 +212,7 @@ def point_sizes(args, length: int) -> dict:
 
 def point_config(args, recipe: str, length: int, workdir: str):
     """The training config of one point (validated by the caller with jaxrl_fp8.config.validate_config)."""
-    from jaxrl_fp8.config import base_config
+    from jaxrl_fp8.config import as_benchmark_run, base_config
 
     sys.path.insert(0, os.path.dirname(HERE))
     from recipe_curves import apply_override  # one KEY=VALUE parser for the experiment scripts
@@ -257,13 +257,7 @@ def point_config(args, recipe: str, length: int, workdir: str):
     c.rl.kl_coef = 0.0
     c.rl.num_minibatches = s["rows"] // s["batch"]
     c.rl.logprob_chunk_rows = s["logprob_chunk"]
-    c.checkpoint.save = False
-    c.checkpoint.resume = False
-    c.checkpoint.export_final_hf = False
-    c.logging.tensorboard = False
-    c.logging.plot_at_end = False
-    c.logging.progress_bar = False
-    c.logging.eval_every_steps = 0
+    as_benchmark_run(c)
     for assignment in args.set:
         apply_override(c, assignment)
     return c

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 
-from jaxrl_fp8.config import base_config
+from jaxrl_fp8.config import as_benchmark_run, base_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "data")
@@ -108,11 +108,4 @@ def shape_config(recipe: str, size: str = "full"):
     # minibatch = prompts_per_step * n_samples / num_minibatches = 8 rows: one row per device on the 8-device mesh
     c.rl.num_minibatches = s["num_minibatches"]
     c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor = 1, 1, 8, 1  # dense weights ZeRO-3 over the expert axis
-    c.checkpoint.save = False  # a benchmark: ~370 GB of masters + Adam state would go to disk for nothing
-    c.checkpoint.resume = False
-    c.checkpoint.export_final_hf = False
-    c.logging.tensorboard = False
-    c.logging.plot_at_end = False
-    c.logging.progress_bar = False
-    c.logging.eval_every_steps = 0
-    return c
+    return as_benchmark_run(c)  # a benchmark: ~370 GB of masters + Adam state would go to disk for nothing

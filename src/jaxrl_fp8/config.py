@@ -233,6 +233,20 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config.recipe: {e}") from e
 
 
+def as_benchmark_run(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Make `c` a benchmark run (in place; `c` is returned): no checkpoint saved or resumed, no final HF export, no
+    tensorboard, no plots at the end, no progress bar, no eval. A benchmark times the RL loop itself; those write
+    to disk (masters + Adam state of a 30B model are ~370 GB) or take host time between steps, and a resume would
+    start a point from another run's state. Such a run cannot be resumed."""
+    c.checkpoint.save = False
+    c.checkpoint.resume = False
+    c.checkpoint.export_final_hf = False
+    c.logging.tensorboard = False
+    c.logging.plot_at_end = False
+    c.logging.progress_bar = False
+    c.logging.eval_every_steps = 0
+    return c
+
 
 def math_rl_config(*, workdir: str, recipe: str, checkpoint: str, dataset: str = "/data/dapo-math-17k.jsonl",
                    hardware: str = "auto", routing_replay: bool = True) -> ml_collections.ConfigDict:
