@@ -142,13 +142,41 @@ def test_merge_keeps_the_later_point(bench, tmp_path):
 def test_programs_lower_for_the_gpu_on_cpu(tmp_path):
     """`--memory-analysis --lower-platform cuda`: the step's programs (rollout, old log-probs, update, weight push)
     lower for CUDA on this CPU machine with the ops choosing their Hopper kernels (how the full-size shapes were
-    checked without a GPU: results/rl_step_lower_cuda_on_cpu.json)."""
+    checked without a GPU: results/rl_step_memory_analysis_cpu.json, section lowered_for_cuda)."""
     out = tmp_path / "lower.json"
     p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--recipes", "fp8_block", "--memory-analysis",
                         "--lower-platform", "cuda", "--out", str(out), "--runs-dir", str(tmp_path / "runs")],
                        env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
-    (entry,) = json.loads(out.read_text())["results"]
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "rl_step_memory_analysis" and doc["host_backend"] == "cpu" and list(doc["sections"]) == ["lowered_for_cuda"]
+    (entry,) = doc["sections"]["lowered_for_cuda"]["results"]
     for name in ("rollout", "logprob", "update", "sync"):
         assert entry[name].get("lowered_for") == "cuda", (name, entry[name])
     assert entry["update"]["mosaic_gpu_mentions"] > 0  # the FP8 GEMM kernels, not the XLA fallback
+
+
+def test_memory_analysis_sections_are_kept_per_mode(bench):
+    """--memory-analysis writes one section per mode into one file per host backend: a run replaces its own section
+    and keeps the others of the same size; sections of another size or another host backend are dropped."""
+    full = lambda tag: dict(what=tag, tiny=False, results=[tag])  # noqa: E731
+    a = bench.memory_analysis_doc(None, "compiled_for_cpu", full("a"), "cpu")
+    assert a["benchmark"] == "rl_step_memory_analysis" and a["host_backend"] == "cpu" and list(a["sections"]) == ["compiled_for_cpu"]
+    b = bench.memory_analysis_doc(a, "lowered_for_cuda", full("b"), "cpu")
+    assert b["sections"] == {"compiled_for_cpu": full("a"), "lowered_for_cuda": full("b")}
+    c = bench.memory_analysis_doc(b, "compiled_for_cpu", full("c"), "cpu")
+    assert c["sections"] == {"compiled_for_cpu": full("c"), "lowered_for_cuda": full("b")}
+    tiny = dict(what="t", tiny=True, results=[])
+    assert list(bench.memory_analysis_doc(c, "lowered_for_cuda", tiny, "cpu")["sections"]) == ["lowered_for_cuda"]
+    assert list(bench.memory_analysis_doc(c, "compiled_for_gpu", full("g"), "gpu")["sections"]) == ["compiled_for_gpu"]
+
+
+def test_committed_memory_analysis_result_has_both_sections():
+    doc = json.loads((ROOT / "experiments" / "benchmarks" / "results" / "rl_step_memory_analysis_cpu.json").read_text())
+    assert doc["benchmark"] == "rl_step_memory_analysis" and doc["host_backend"] == "cpu"
+    assert set(doc["sections"]) == {"compiled_for_cpu", "lowered_for_cuda"}
+    for name, section in doc["sections"].items():
+        assert section["tiny"] is False and section["results"], name
+        for entry in section["results"]:
+            for program in ("rollout", "logprob", "update", "sync"):
+                assert "error" not in entry[program], (name, entry["recipe"], entry["response_tokens"], program)

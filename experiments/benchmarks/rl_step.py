@@ -43,18 +43,21 @@ unless preallocation is off). Parameters P = 2 x 151936 x 2048 (embedding, lm_he
 - activations of one training row of T = prompt + response tokens (no rematerialisation): ~24 x 151936 B a token for
   the float32 logits and what the loss, the entropy and their gradient make of them, plus per layer ~0.39 MB a token
   (MoE rows, attention, norms) and 12 x 32 x T B a token (XLA attention's probabilities). XLA:CPU's memory analysis
-  of the real update program at these shapes (`--memory-analysis`, results/rl_step_memory_cpu.json; bf16, XLA
-  attention) gives ~5 GB + 0.6 GB a layer per row at 1k (T = 1280) and ~16 GB + 9 GB a layer per row at 4k (T = 4352).
+  of the real update program at these shapes (`--memory-analysis`, results/rl_step_memory_analysis_cpu.json, section
+  compiled_for_cpu; bf16, XLA attention) gives ~5 GB + 0.6 GB a layer per row at 1k (T = 1280) and ~16 GB + 9 GB a
+  layer per row at 4k (T = 4352).
 - the old-log-prob pass (forward only, `--logprob-chunk` rows a call, default the minibatch) and the rollout (KV cache
   ~1 GB, prefill of 64 x 256 tokens) peak lower than the update.
 Defaults: 1k: 4 layers, 64 rows a step (16 prompts x 4), minibatches of 2 rows: ~81 + 2 x 7.5 = ~96-100 GB;
 4k: 3 layers, 16 rows (4 x 4), minibatches of 1 row: ~65 + 43 = ~108 GB (4 layers would need ~133 GB). 5 layers at 1k
 (~118 GB) is the deepest that should fit; `--layers` sets it for every length. XLA:CPU's memory analysis of the default
-programs (results/rl_step_memory_cpu.json; arguments + outputs + temporaries, bf16 / fp8_block): update 1k 90.3 / 91.4 GB
-and 4k 103.5 / 104.0 GB, plus the engine's weights (6.2 / 3.7 GB at 1k, 5.0 / 3.1 GB at 4k); rollout 1k 30 / 35 GB,
+programs (results/rl_step_memory_analysis_cpu.json, compiled_for_cpu; arguments + outputs + temporaries, bf16 /
+fp8_block): update 1k 90.3 / 91.4 GB and 4k 103.5 / 104.0 GB, plus the engine's weights (6.2 / 3.7 GB at 1k, 5.0 / 3.1 GB at 4k); rollout 1k 30 / 35 GB,
 logprob 22 / 37 GB (on CPU the FP8 path's XLA quantizers keep float32 temporaries the GPU's Pallas kernels do not).
 All four programs of a step (rollout, logprob, update, weight push) also lower for CUDA with the Hopper kernels at
-these shapes on a CPU machine (`--memory-analysis --lower-platform cuda`: results/rl_step_lower_cuda_on_cpu.json).
+these shapes on a CPU machine (`--memory-analysis --lower-platform cuda`: results/rl_step_memory_analysis_cpu.json,
+section lowered_for_cuda). `--memory-analysis` writes one section per mode (compiled_for_<host backend>,
+lowered_for_<platform>) into results/rl_step_memory_analysis_<host backend>.json and keeps the other sections there.
 Time (estimates; the stages' --time-budget skips what does not fit): 1k: ~1024 decode steps of ~5-10 ms (rollout
 5-10 s), ~2-6 s train, < 1 s sync, 1-3 min of compilation and init: 2-4 min a point (4 steps); 4k: ~4096 decode steps
 (rollout 20-40 s), 2 steps: 3-4 min a point.
@@ -80,6 +83,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 RESULTS = os.path.join(HERE, "results")
 SHAPE_MODULE = os.path.join(REPO, "experiments", "configs", "_qwen3_30b_a3b_shape.py")
 RECIPES = ("bf16", "bf16_train_fp8_rollout", "fp8_block")
+MEMORY_ANALYSIS = "rl_step_memory_analysis"  # the --memory-analysis result: results/rl_step_memory_analysis_<host backend>.json
 TARGETS = {"tokens_per_second_end_to_end": 1.3, "train_phase_tokens_per_second": 1.4, "peak_memory_ratio_below": 1.0}
 PHASES = ("rollout", "logprob", "update", "sync")  # train = logprob + update
 TIME_KEYS = ("rollout_seconds", "logprob_seconds", "update_seconds", "train_seconds", "sync_seconds", "step_seconds",
@@ -147,8 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fast-compile", action="store_true", help="XLA:CPU --xla_backend_optimization_level=0 (CPU tests)")
     p.add_argument("--merge", default="", help="comma list of result JSONs: merge their points into --out (no run)")
     p.add_argument("--memory-analysis", action="store_true",
-                   help="compile the logprob and update programs for this host's backend at the points' shapes "
-                        "(abstract arrays, nothing runs) and report XLA's memory analysis, then exit")
+                   help="compile the rollout, logprob, update and weight-push programs for this host's backend at the "
+                        "points' shapes (abstract arrays, nothing runs) and report XLA's memory analysis, then exit; "
+                        "writes its section of --out (default: results/rl_step_memory_analysis_<host backend>.json; "
+                        "--tiny: ..._cpu_tiny.json), keeping the other sections")
     p.add_argument("--lower-platform", default="",
                    help="with --memory-analysis: instead of compiling for this host, lower the programs for this platform "
                         "(e.g. cuda on a CPU machine, ops choosing their Hopper kernels) and report whether they lower")
@@ -284,7 +290,8 @@ def param_counts(model: dict, layers: int) -> dict:
 
 def memory_estimate(model: dict, layers: int, batch: int, seq: int) -> dict:
     """The docstring's estimate of the update's peak (bytes): weights-related + one minibatch's activations. Fitted to
-    XLA:CPU's memory analysis of the real update program (bf16 recipe, XLA attention; results/rl_step_memory_cpu.json)."""
+    XLA:CPU's memory analysis of the real update program (bf16 recipe, XLA attention;
+    results/rl_step_memory_analysis_cpu.json, section compiled_for_cpu)."""
     p = param_counts(model, layers)["total"]
     weights = 26 * p
     v, nh = model["vocab_size"], model["num_attention_heads"]
@@ -627,7 +634,19 @@ def memory_analysis(args) -> int:
     from jaxrl_fp8.rl.losses import PolicyLossConfig
     from jaxrl_fp8.rl.trainer import Trainer, TrainerSettings, make_optimizer
 
-    results = []
+    backend = jax.default_backend()
+    out = os.path.abspath(args.out or os.path.join(RESULTS, f"{MEMORY_ANALYSIS}_{'cpu_tiny' if args.tiny else backend}.json"))
+    section_name = f"lowered_for_{args.lower_platform}" if args.lower_platform else f"compiled_for_{backend}"
+    try:
+        with open(out) as f:
+            prior = json.load(f)
+    except (OSError, ValueError):
+        prior = None
+    what = (f"lowered for {args.lower_platform} on this host (the ops choosing their Hopper kernels), not compiled or run"
+            if args.lower_platform else "compiled for this host (XLA's memory analysis), not run")
+    section = dict(what=what, tiny=args.tiny, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), jax=jax.__version__,
+                   command="python experiments/benchmarks/rl_step.py " + " ".join(sys.argv[1:]), results=[])
+    results = section["results"]
     if args.lower_platform == "cuda":  # the ops choose their Mosaic GPU kernels as on an H200
         from jaxrl_fp8.ops import backends
 
@@ -702,13 +721,23 @@ def memory_analysis(args) -> int:
                       + json.dumps({kk: (round(v / 1e9, 3) if kk.endswith("bytes") else v) for kk, v in entry[name].items()}),
                       flush=True)
             results.append(entry)
-            _write_json(args.out, dict(what="XLA memory analysis of one RL step's programs (rollout generate, old log-probs, update, weight push), compiled "
-                                       "for this host at the benchmark's shapes, not run",
-                                       date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), jax=jax.__version__,
-                                       command="python experiments/benchmarks/rl_step.py " + " ".join(sys.argv[1:]),
-                                       results=results))
-    print(args.out)
+            _write_json(out, memory_analysis_doc(prior, section_name, section, backend))
+    print(out)
     return 0
+
+
+def memory_analysis_doc(prior: dict | None, name: str, section: dict, backend: str) -> dict:
+    """The --memory-analysis result: one section per mode (compiled_for_<backend>, lowered_for_<platform>) of one host
+    backend; `section` replaces its namesake in `prior`, whose other sections are kept when they are of the same host
+    backend and size (--tiny or not), else dropped."""
+    keep = {}
+    if prior and prior.get("benchmark") == MEMORY_ANALYSIS and prior.get("host_backend") == backend:
+        keep = {k: v for k, v in (prior.get("sections") or {}).items() if k != name and v.get("tiny") == section["tiny"]}
+    return dict(benchmark=MEMORY_ANALYSIS,
+                what="one RL step's programs (rollout generate, old log-probs, update, weight push) at rl_step.py's "
+                     "shapes, analysed without running them; a section per mode (compiled_for_<host backend>: XLA's "
+                     "memory analysis; lowered_for_<platform>: whether they lower there)",
+                host_backend=backend, sections=dict(sorted({**keep, name: section}.items())))
 
 
 def _engine_programs(graphdef, params, rollout_precision, rows: int, prompt_tokens: int, length: int):
@@ -786,13 +815,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    args.runs_dir = os.path.abspath(args.runs_dir or os.path.join(REPO, "runs", "rl_step_tiny" if args.tiny else "rl_step"))
+    if args.memory_analysis:  # its own result file (default: results/rl_step_memory_analysis_<host backend>.json)
+        return memory_analysis(args)
     default_name = "rl_step_cpu_tiny.json" if args.tiny else "rl_step_h200.json"
     args.out = os.path.abspath(args.out or os.path.join(RESULTS, default_name))
-    args.runs_dir = os.path.abspath(args.runs_dir or os.path.join(REPO, "runs", "rl_step_tiny" if args.tiny else "rl_step"))
     if args.child:
         return child(args)
-    if args.memory_analysis:
-        return memory_analysis(args)
 
     # every point's config is built and validated before anything runs
     shape = _shape_module()
