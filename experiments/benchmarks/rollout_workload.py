@@ -81,6 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--append", action="store_true",
                    help="keep the points of other recipes already in --out (one recipe per device command, one JSON)")
+    p.add_argument("--merge", default="",
+                   help="comma list of result JSONs of the same workload (one recipe each): merge them into --out (no run)")
     args = p.parse_args(argv)
     if args.tiny:
         apply_tiny_slice(args)
@@ -200,8 +202,72 @@ def step_measurement(engine_cls, policy, engine_config, cfg, args, rng, bw_copy)
     }
 
 
+def compare(results: list[dict], steps: list[dict], bitwise_equal: dict) -> dict:
+    """The targets' ratios over every recipe's points (steady tokens/s: what an RL run sees after its first step;
+    end to end beside it), met or missed."""
+    comparison: dict = {"bitwise_equal": dict(bitwise_equal)} if bitwise_equal else {}
+
+    def point(recipe, scheduler):
+        return next((p for p in results if p["recipe"] == recipe and p["scheduler"] == scheduler), None)
+
+    for recipe_name in sorted({p["recipe"] for p in results}):
+        c, s = point(recipe_name, "continuous"), point(recipe_name, "static")
+        if c and s:
+            ratio = c["steady_tokens_per_s"] / s["steady_tokens_per_s"]
+            comparison.setdefault("continuous_over_static", {})[recipe_name] = {
+                "steady": ratio, "end_to_end": c["tokens_per_s"] / s["tokens_per_s"],
+                "target": TARGETS["continuous_over_static"], "met": ratio >= TARGETS["continuous_over_static"]}
+    for step in steps:
+        f = step["fraction_of_copy_roofline"]
+        comparison.setdefault("roofline_fraction_at_slots", {})[step["recipe"]] = {
+            "fraction": f, "target": TARGETS["roofline_fraction_at_slots"],
+            "met": f is not None and f >= TARGETS["roofline_fraction_at_slots"]}
+    b, f8 = point("bf16", "continuous"), point("fp8_block", "continuous")
+    if b and f8:
+        ratio = f8["steady_tokens_per_s"] / b["steady_tokens_per_s"]
+        comparison["fp8_over_bf16"] = {"steady": ratio, "end_to_end": f8["tokens_per_s"] / b["tokens_per_s"],
+                                       "target": TARGETS["fp8_over_bf16"], "met": ratio >= TARGETS["fp8_over_bf16"]}
+    return comparison
+
+
+def merge(paths: list[str], out: str) -> dict:
+    """One result from runs of the same workload and model (one recipe per device command): their points side by
+    side, the comparisons recomputed over all of them. A point of a recipe in a later file replaces an earlier one."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+    first = docs[0]
+    for path, doc in zip(paths[1:], docs[1:]):
+        for key in ("workload", "model", "engine"):
+            if doc.get(key) != first.get(key):
+                raise SystemExit(f"--merge: {path} has another {key} than {paths[0]}")
+    results, steps, bitwise = [], [], {}
+    for doc in docs:
+        recipes = {p["recipe"] for p in doc["results"]} | {p["recipe"] for p in doc["decode_step"]}
+        results = [p for p in results if p["recipe"] not in recipes] + doc["results"]
+        steps = [p for p in steps if p["recipe"] not in recipes] + doc["decode_step"]
+        bitwise.update(doc.get("comparison", {}).get("bitwise_equal", {}))
+    merged = dict(docs[-1], results=results, decode_step=steps, complete=all(d.get("complete") for d in docs),
+                  comparison=compare(results, steps, bitwise),
+                  merged_from=[{"command": d["command"], "date": d["date"], "bandwidth": d["bandwidth"]} for d in docs])
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(merged, f, indent=2)
+    os.replace(tmp, out)
+    return merged
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        if not args.out:
+            raise SystemExit("--merge needs --out")
+        merged = merge(args.merge.split(","), args.out)
+        for name, entry in merged["comparison"].items():
+            print(f"{name}: {json.dumps(entry)}")
+        print(f"wrote {args.out}")
+        return 0
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -335,26 +401,7 @@ def main(argv=None) -> int:
               flush=True)
         write(False)
 
-    def point(recipe, scheduler):
-        return next((p for p in results if p["recipe"] == recipe and p["scheduler"] == scheduler), None)
-
-    for recipe_name in sorted({p["recipe"] for p in results}):
-        c, s = point(recipe_name, "continuous"), point(recipe_name, "static")
-        if c and s:
-            ratio = c["steady_tokens_per_s"] / s["steady_tokens_per_s"]
-            comparison.setdefault("continuous_over_static", {})[recipe_name] = {
-                "steady": ratio, "end_to_end": c["tokens_per_s"] / s["tokens_per_s"],
-                "target": TARGETS["continuous_over_static"], "met": ratio >= TARGETS["continuous_over_static"]}
-    for step in steps:
-        f = step["fraction_of_copy_roofline"]
-        comparison.setdefault("roofline_fraction_at_slots", {})[step["recipe"]] = {
-            "fraction": f, "target": TARGETS["roofline_fraction_at_slots"],
-            "met": f is not None and f >= TARGETS["roofline_fraction_at_slots"]}
-    b, f8 = point("bf16", "continuous"), point("fp8_block", "continuous")
-    if b and f8:
-        ratio = f8["steady_tokens_per_s"] / b["steady_tokens_per_s"]
-        comparison["fp8_over_bf16"] = {"steady": ratio, "end_to_end": f8["tokens_per_s"] / b["tokens_per_s"],
-                                       "target": TARGETS["fp8_over_bf16"], "met": ratio >= TARGETS["fp8_over_bf16"]}
+    comparison = compare(results, steps, comparison.get("bitwise_equal", {}))
     write(True)
 
     print("\n| recipe | scheduler | wall s | compile s | tok/s | steady tok/s | decode steps | mean active |")
