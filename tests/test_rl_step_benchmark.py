@@ -41,7 +41,7 @@ def bench():
 
 @pytest.mark.slow
 def test_tiny_two_steps_of_fp8_block(tmp_path):
-    res, out, stdout = _run(tmp_path, "--recipes", "fp8_block", "--steps", "2")
+    res, out, stdout = _run(tmp_path, "--recipes", "fp8_block", "--steps", "2", "--micro-batch", "1")
     assert out.with_suffix(".png").stat().st_size > 1000
     assert res["benchmark"] == "rl_step" and res["tiny"] is True
     assert res["device"]["platform"] == "cpu" and set(res["versions"]) >= {"python", "jax", "jaxlib"}
@@ -53,7 +53,10 @@ def test_tiny_two_steps_of_fp8_block(tmp_path):
     cfg = point["config"]
     assert cfg["rollout"]["ignore_eos"] and cfg["rollout"]["routing_replay"] and cfg["rl"]["use_tis"]
     assert cfg["rollout"]["engine"] == "embedded" and cfg["model"]["num_experts"] == 16 and cfg["model"]["num_hidden_layers"] == 2
-    assert point["sizes"] == {"layers": 2, "prompts": 2, "samples": 2, "batch": 2, "steps": 2, "rows": 4, "logprob_chunk": 2}
+    # minibatches of 2 rows, each gradient accumulated over two 1-row micro-batches (one optimizer update per minibatch)
+    assert point["sizes"] == {"layers": 2, "prompts": 2, "samples": 2, "batch": 2, "steps": 2, "rows": 4,
+                              "micro_batch": 1, "logprob_chunk": 1}
+    assert cfg["rl"]["micro_batch_rows"] == 1 and cfg["rl"]["num_minibatches"] == 2
     assert [r["step"] for r in point["rows"]] == [1, 2]
     for row in point["rows"]:
         assert row["response_length"] == 16.0 and row["truncated_frac"] == 1.0  # EOS suppressed: lengths as asked
@@ -89,6 +92,10 @@ def test_bad_flags_fail_before_any_point(tmp_path):
                        env=_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 2 and "--batch 3 must divide" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "r.json").exists()
+    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--recipes", "fp8_block", "--micro-batch", "3",
+                        "--out", str(tmp_path / "r.json"), "--runs-dir", str(tmp_path / "runs")],
+                       env=_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2 and "--micro-batch 3 must divide --batch 2" in p.stderr, p.stderr[-2000:]
 
 
 def _point(recipe, rollout, logprob, update, sync, peak, rows=(1, 2, 3)):

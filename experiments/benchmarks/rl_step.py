@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples-per-prompt", type=int, default=None, help="responses per prompt, the GRPO group (default 4)")
     p.add_argument("--batch", type=int, default=None,
                    help="rows per optimizer update (minibatch; rows a step / batch = minibatches) (default: 2 at 1k, 1 at 4k)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="rows per micro-batch of an update (config rl.micro_batch_rows: the minibatch's gradient "
+                        "accumulated over micro-batches, one optimizer update per minibatch; default: the whole minibatch)")
     p.add_argument("--logprob-chunk", type=int, default=None,
                    help="rows per call of the old-log-prob pass (config rl.logprob_chunk_rows; default: --batch)")
     p.add_argument("--attention-impl", default=None,
@@ -205,14 +208,17 @@ def point_sizes(args, length: int) -> dict:
     s = dict(layers=args.layers or d["layers"], prompts=args.prompts or d["prompts"], samples=args.samples_per_prompt or d["samples"],
              batch=args.batch or d["batch"], steps=args.steps or d["steps"])
     s["rows"] = s["prompts"] * s["samples"]
-    s["logprob_chunk"] = args.logprob_chunk or s["batch"]
-    for k in ("layers", "prompts", "samples", "batch", "steps", "logprob_chunk"):
+    s["micro_batch"] = args.micro_batch or s["batch"]
+    s["logprob_chunk"] = args.logprob_chunk or s["micro_batch"]
+    for k in ("layers", "prompts", "samples", "batch", "steps", "micro_batch", "logprob_chunk"):
         if s[k] < 1:
             raise ValueError(f"{k} must be >= 1, got {s[k]}")
     if s["samples"] < 2:
         raise ValueError("--samples-per-prompt must be >= 2 (GRPO groups)")
     if s["rows"] % s["batch"]:
         raise ValueError(f"--batch {s['batch']} must divide prompts x samples = {s['rows']} rows")
+    if s["batch"] % s["micro_batch"]:
+        raise ValueError(f"--micro-batch {s['micro_batch']} must divide --batch {s['batch']}")
     return s
 
 
@@ -263,6 +269,7 @@ def point_config(args, recipe: str, length: int, workdir: str):
     c.rl.kl_coef = 0.0
     c.rl.num_minibatches = s["rows"] // s["batch"]
     c.rl.logprob_chunk_rows = s["logprob_chunk"]
+    c.rl.micro_batch_rows = 0 if s["micro_batch"] == s["batch"] else s["micro_batch"]
     as_benchmark_run(c)
     for assignment in args.set:
         apply_override(c, assignment)
@@ -288,18 +295,19 @@ def param_counts(model: dict, layers: int) -> dict:
                 embedding=v * h, lm_head=v * h, active_per_token=active)
 
 
-def memory_estimate(model: dict, layers: int, batch: int, seq: int) -> dict:
-    """The docstring's estimate of the update's peak (bytes): weights-related + one minibatch's activations. Fitted to
-    XLA:CPU's memory analysis of the real update program (bf16 recipe, XLA attention;
+def memory_estimate(model: dict, layers: int, batch: int, seq: int, accumulate: bool = False) -> dict:
+    """The docstring's estimate of the update's peak (bytes): weights-related + the activations of the `batch` rows
+    live at once (the minibatch, or one micro-batch with `accumulate`, whose float32 gradient sum takes another
+    4 B/param). Fitted to XLA:CPU's memory analysis of the real update program (bf16 recipe, XLA attention;
     results/rl_step_memory_analysis_cpu.json, section compiled_for_cpu)."""
     p = param_counts(model, layers)["total"]
-    weights = 26 * p
+    weights = (30 if accumulate else 26) * p
     v, nh = model["vocab_size"], model["num_attention_heads"]
     per_token_layer = 8 * (2 * model["hidden_size"] + 4 * model["moe_intermediate_size"]) * 4 + 20 * model["hidden_size"] * 4
     row = seq * (24 * v + layers * (per_token_layer + 12 * nh * seq))
     return dict(weights_bytes=weights, activations_per_row_bytes=row, minibatch_rows=batch,
                 update_peak_bytes=weights + batch * row,
-                rule="26 B/param (update arguments: FP32 masters 4 + Adam 8; its outputs, no donation: 12; the engine's "
+                rule="26 B/param (30 with micro-batches: their float32 gradient sum) (update arguments: FP32 masters 4 + Adam 8; its outputs, no donation: 12; the engine's "
                      "BF16 rollout weights 2) + rows x T x (24 x vocab + layers x (MoE/attention ~0.39 MB + 12 x heads x T))")
 
 
@@ -847,8 +855,10 @@ def main(argv=None) -> int:
                     layers={str(n): sizes[n]["layers"] for n in args.lengths},
                     params={str(n): param_counts(model, sizes[n]["layers"]) for n in args.lengths},
                     sizes={str(n): sizes[n] for n in args.lengths},
-                    memory_estimate={str(n): memory_estimate(model, sizes[n]["layers"], sizes[n]["batch"],
-                                                             args.prompt_tokens + n) for n in args.lengths}),
+                    memory_estimate={str(n): memory_estimate(model, sizes[n]["layers"], sizes[n]["micro_batch"],
+                                                             args.prompt_tokens + n,
+                                                             sizes[n]["micro_batch"] < sizes[n]["batch"])
+                                     for n in args.lengths}),
         warmup_steps=args.warmup_steps, time_budget_seconds=args.time_budget or None,
         env={k: os.environ.get(k) for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
                                             "XLA_PYTHON_CLIENT_ALLOCATOR", "JAXRL_FP8_HIGH_PRECISION", "JAX_PLATFORMS")})
@@ -884,7 +894,7 @@ def main(argv=None) -> int:
                "--prompt-tokens", str(args.prompt_tokens), "--response-lengths", str(length), "--seed", str(args.seed),
                "--recipes", recipe]
         for flag, v in (("--layers", args.layers), ("--steps", args.steps), ("--prompts", args.prompts), ("--samples-per-prompt", args.samples_per_prompt),
-                        ("--batch", args.batch), ("--logprob-chunk", args.logprob_chunk), ("--attention-impl", args.attention_impl)):
+                        ("--batch", args.batch), ("--micro-batch", args.micro_batch), ("--logprob-chunk", args.logprob_chunk), ("--attention-impl", args.attention_impl)):
             if v is not None:
                 cmd += [flag, str(v)]
         if args.tiny:

@@ -114,6 +114,10 @@ def base_config() -> ml_collections.ConfigDict:
     # batch at once, bounding that pass's peak memory (B x T x vocab float32 logits); same values (rows are
     # independent). 0: the whole batch at once. Multi-host runs always take the whole (global) batch.
     c.rl.logprob_chunk_rows = 0
+    # > 0: each minibatch's gradient is accumulated over micro-batches of this many rows (must divide the minibatch,
+    # prompts_per_step*n_samples/num_minibatches), one optimizer update per minibatch; bounds the update's activation
+    # memory by the micro-batch instead of the minibatch. 0: the whole minibatch at once.
+    c.rl.micro_batch_rows = 0
     c.rl.learning_rate = 1e-6
     c.rl.lr_schedule = "constant"  # constant | cosine
     c.rl.warmup_steps = 0
@@ -219,6 +223,11 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
            f"must be an int >= 0 (0: the whole batch at once), got {chunk!r}")
     total = d.prompts_per_step * r.n_samples
     _check(total % rl.num_minibatches == 0, "rl.num_minibatches", f"must divide prompts_per_step*n_samples={total}")
+    micro = rl.get("micro_batch_rows", 0)
+    _check(_is_int(micro) and micro >= 0, "rl.micro_batch_rows", f"must be an int >= 0 (0: the whole minibatch), got {micro!r}")
+    minibatch = total // rl.num_minibatches
+    _check(micro == 0 or minibatch % micro == 0, "rl.micro_batch_rows",
+           f"{micro} must divide the minibatch of {minibatch} rows (prompts_per_step*n_samples/num_minibatches)")
     _check(rl.grad_clip >= 0, "rl.grad_clip", "must be >= 0 (0 disables)")
     _check(c.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
     _check(c.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")

@@ -63,6 +63,12 @@ class TrainerSettings:
     # A row's log-probs do not depend on the rows beside it (row-invariant model), so the values are the same.
     # Single-process only (multi-host batches are global arrays: the whole batch at once, as with 0).
     logprob_chunk_rows: int = 0
+    # > 0: each minibatch's gradient is accumulated over micro-batches of this many rows (a lax.scan inside the one
+    # update program), then ONE optimizer update per minibatch. Only one micro-batch's activations are live at a
+    # time, so a minibatch - and with it the optimizer steps per rollout batch - is no longer capped by memory.
+    # Same loss (every micro-batch is normalised by the whole minibatch's token / sequence count); the gradient
+    # differs from the unsplit one only in float32 summation order. 0: the whole minibatch at once.
+    micro_batch_rows: int = 0
 
 
 def make_optimizer(rl_cfg, total_updates: int) -> tuple[optax.GradientTransformation, Callable]:
@@ -76,6 +82,17 @@ def make_optimizer(rl_cfg, total_updates: int) -> tuple[optax.GradientTransforma
     chain = [optax.clip_by_global_norm(rl_cfg.grad_clip)] if rl_cfg.grad_clip > 0 else []
     chain.append(optax.adamw(schedule, b1=rl_cfg.adam_b1, b2=rl_cfg.adam_b2, eps=rl_cfg.adam_eps, weight_decay=rl_cfg.weight_decay))
     return optax.chain(*chain), schedule
+
+
+# policy_loss metrics aggregated with the minibatch's denominators: a minibatch's value is the sum of its micro-batches'
+SUMMED_METRICS = frozenset({"loss", "pg_loss", "kl_loss"})
+
+
+def combine_micro_metrics(per_micro: dict, counts: jax.Array) -> dict:
+    """A minibatch's metrics from its micro-batches' (`[n]` each): loss terms summed, masked token means weighted by
+    each micro-batch's valid-token count (what the unsplit minibatch reports, up to float32 summation order)."""
+    total = jnp.maximum(jnp.sum(counts), 1.0)
+    return {k: jnp.sum(v) if k in SUMMED_METRICS else jnp.sum(v * counts) / total for k, v in per_micro.items()}
 
 
 class Trainer:
@@ -103,7 +120,10 @@ class Trainer:
             self.opt_state = plan.shard(self.opt_state)
             if plan.mesh.size > 1 and model.cfg.is_moe:
                 self.moe_impl = make_moe_impl(plan.mesh)
-        self.ref_params = self.params if settings.use_ref else None
+        # the frozen reference: its own buffers on a mesh, whose update program donates (deletes) the masters' buffers
+        self.ref_params = None
+        if settings.use_ref:
+            self.ref_params = self.params if plan is None else jax.tree.map(jnp.copy, self.params)
         self.engine = engine
         self.tokenizer = tokenizer
         self.loader = loader
@@ -139,16 +159,40 @@ class Trainer:
     def _logprobs(self, params, tokens, routed):
         return self._forward_logprobs(params, tokens, routed)[0]
 
-    def _update(self, params, opt_state, mb, num_tokens):
-        def loss_fn(p):
-            logp, logits = self._forward_logprobs(p, mb["tokens"], mb.get("routed"))
-            # logged always; enters the loss only with entropy_coef > 0
-            ent = entropy_from_logits(tempered_logits(logits, self.s.temperature))
-            return policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"], self.s.loss,
-                               rollout_logp=mb["rollout_logp"] if self.s.loss.use_tis else None,
-                               ref_logp=mb.get("ref_logp"), entropy=ent, num_tokens=num_tokens)
+    def _loss(self, params, mb, num_tokens, num_sequences=None):
+        logp, logits = self._forward_logprobs(params, mb["tokens"], mb.get("routed"))
+        # logged always; enters the loss only with entropy_coef > 0
+        ent = entropy_from_logits(tempered_logits(logits, self.s.temperature))
+        return policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"], self.s.loss,
+                           rollout_logp=mb["rollout_logp"] if self.s.loss.use_tis else None,
+                           ref_logp=mb.get("ref_logp"), entropy=ent, num_tokens=num_tokens, num_sequences=num_sequences)
 
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    def _grads(self, params, mb, num_tokens):
+        """(loss, metrics, grads) of minibatch `mb`: at once, or summed over `micro_batch_rows`-row micro-batches."""
+        rows, micro = int(mb["tokens"].shape[0]), self.s.micro_batch_rows
+        if micro <= 0 or micro >= rows:
+            (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, mb, num_tokens)
+            return loss, metrics, grads
+        if rows % micro:
+            raise ValueError(f"rl.micro_batch_rows={micro} must divide the minibatch's {rows} rows")
+        n = rows // micro
+        # micro-batch j = rows j, j + n, j + 2n, ...: the reshape keeps the row axis where a mesh splits it
+        split = lambda x: jnp.swapaxes(x.reshape((micro, n) + x.shape[1:]), 0, 1)
+        micros = {k: split(v) for k, v in mb.items()}
+        valid = mb["mask"] > 0
+        num_sequences = jnp.sum(jnp.any(valid, axis=1).astype(jnp.float32))
+
+        def body(acc, one):
+            (loss, metrics), g = jax.value_and_grad(self._loss, has_aux=True)(params, one, num_tokens, num_sequences)
+            count = jnp.sum((one["mask"] > 0).astype(jnp.float32))
+            return jax.tree.map(jnp.add, acc, g), (loss, metrics, count)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, (losses, per_micro, counts) = jax.lax.scan(body, zeros, micros)
+        return jnp.sum(losses), combine_micro_metrics(per_micro, counts), grads
+
+    def _update(self, params, opt_state, mb, num_tokens):
+        loss, metrics, grads = self._grads(params, mb, num_tokens)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = self.optimizer.update(grads, opt_state, params)

@@ -1,0 +1,129 @@
+"""Trainer update: gradient accumulation over micro-batches gives the unsplit minibatch's loss, metrics and gradient."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl_fp8.model import Qwen3, tiny_config
+from jaxrl_fp8.precision import PrecisionPolicy
+from jaxrl_fp8.rl.losses import PolicyLossConfig
+from jaxrl_fp8.rl.trainer import Trainer, TrainerSettings, combine_micro_metrics
+
+T, ROWS = 10, 8
+
+
+def _minibatch(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    k = cfg.num_experts_per_tok
+    routed = rng.integers(0, cfg.num_experts, (ROWS, T, cfg.num_hidden_layers, k)).astype(np.int32)
+    routed[ROWS // 2:] = -1  # half the rows replay routing (R3), half route with the trainer's router
+    mask = (rng.random((ROWS, T - 1)) < 0.7).astype(np.float32)
+    mask[3] = 0.0  # a row without a valid token (it must not count as a sequence)
+    return dict(tokens=rng.integers(0, cfg.vocab_size, (ROWS, T)).astype(np.int32), routed=routed,
+                old_logp=(-3 * rng.random((ROWS, T - 1))).astype(np.float32),
+                rollout_logp=(-3 * rng.random((ROWS, T - 1))).astype(np.float32),
+                ref_logp=(-3 * rng.random((ROWS, T - 1))).astype(np.float32),
+                mask=mask, advantages=rng.normal(size=(ROWS,)).astype(np.float32))
+
+
+def _trainer(micro: int, loss: PolicyLossConfig) -> Trainer:
+    cfg = tiny_config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    settings = TrainerSettings(total_steps=1, prompts_per_step=2, n_samples=4, seq_len=T, temperature=1.0, top_p=1.0,
+                               top_k=-1, max_new_tokens=4, routing_replay=True, advantage="grpo", std_normalize=True,
+                               num_minibatches=1, loss=loss, backward="high_precision", compute_dtype=jnp.float32,
+                               seed=0, micro_batch_rows=micro)
+    model = Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    policy = PrecisionPolicy.for_format("bf16", num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts)
+    return Trainer(model=model, settings=settings, optimizer=optax.sgd(1e-2), schedule=optax.constant_schedule(1e-2),
+                   engine=None, tokenizer=None, loader=None, reward_fn=None, train_policy=policy,
+                   push_weights=lambda *a: None)
+
+
+LOSSES = {
+    "token_mean_tis": PolicyLossConfig(use_tis=True),
+    "seq_mean_kl_entropy": PolicyLossConfig(loss_agg="seq_mean_token_mean", kl_coef=0.1, entropy_coef=0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_micro_batches_equal_the_whole_minibatch(name):
+    loss = LOSSES[name]
+    whole = _trainer(0, loss)
+    mb = {k: jnp.asarray(v) for k, v in _minibatch(whole.cfg).items()}
+    num_tokens = jnp.float32(mb["mask"].sum())
+    ref_loss, ref_metrics, ref_grads = jax.jit(whole._grads)(whole.params, mb, num_tokens)
+    assert float(ref_loss) != 0.0
+    for micro in (1, 2, 4):
+        t = _trainer(micro, loss)
+        got_loss, got_metrics, got_grads = jax.jit(t._grads)(t.params, mb, num_tokens)
+        np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-5, err_msg=f"micro {micro}")
+        assert set(got_metrics) == set(ref_metrics)
+        for key in ref_metrics:
+            np.testing.assert_allclose(got_metrics[key], ref_metrics[key], rtol=1e-5, atol=1e-7, err_msg=f"{key}, micro {micro}")
+        flat_ref, flat_got = jax.tree.leaves(ref_grads), jax.tree.leaves(got_grads)
+        assert len(flat_ref) == len(flat_got)
+        # float32 summation order (and, on some hosts, XLA:CPU dot kernels that change with the row count): 5e-5 of
+        # the largest gradient entry
+        scale = max(float(jnp.max(jnp.abs(g))) for g in flat_ref)
+        assert scale > 0
+        for a, b in zip(flat_ref, flat_got):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=5e-5 * scale, err_msg=f"micro {micro}")
+
+
+def test_update_with_micro_batches_steps_like_the_whole_minibatch():
+    loss = LOSSES["token_mean_tis"]
+    whole, split = _trainer(0, loss), _trainer(2, loss)
+    mb = {k: jnp.asarray(v) for k, v in _minibatch(whole.cfg, seed=1).items()}
+    nt = jnp.float32(mb["mask"].sum())
+    p0, _, m0 = whole.apply_update(mb, nt)
+    p1, _, m1 = split.apply_update(mb, nt)
+    assert float(m0["finite"]) == float(m1["finite"]) == 1.0
+    for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_micro_batch_rows_must_divide_the_minibatch():
+    t = _trainer(3, LOSSES["token_mean_tis"])
+    mb = {k: jnp.asarray(v) for k, v in _minibatch(t.cfg).items()}
+    with pytest.raises(ValueError, match="micro_batch_rows=3"):
+        t._grads(t.params, mb, jnp.float32(1.0))
+
+
+def test_combine_micro_metrics_sums_losses_and_weights_means_by_tokens():
+    per_micro = {"loss": jnp.array([0.5, 0.25]), "pg_loss": jnp.array([0.1, 0.2]), "kl_loss": jnp.array([1.0, 2.0]),
+                 "entropy": jnp.array([1.0, 4.0]), "tis": jnp.array([2.0, 0.0])}
+    out = combine_micro_metrics(per_micro, jnp.array([3.0, 1.0]))
+    np.testing.assert_allclose([out["loss"], out["pg_loss"], out["kl_loss"]], [0.75, 0.3, 3.0], rtol=1e-6)
+    np.testing.assert_allclose([out["entropy"], out["tis"]], [(3 + 4) / 4, 6 / 4], rtol=1e-6)
+    empty = combine_micro_metrics({"entropy": jnp.array([0.0, 0.0])}, jnp.array([0.0, 0.0]))
+    assert float(empty["entropy"]) == 0.0
+
+
+def test_reference_survives_the_donating_update_on_a_mesh():
+    """On a mesh the update donates the masters' buffers; the frozen reference (kl_coef > 0) must not be them."""
+    from jaxrl_fp8.sharding import ShardingPlan, make_mesh
+
+    loss = PolicyLossConfig(kl_coef=0.1)
+    t = _trainer(0, loss)
+    model = nnx.merge(t.graphdef, t.params)
+    plan = ShardingPlan(make_mesh(None, devices=jax.devices()[:1]))
+    settings = dataclasses.replace(t.s, use_ref=True)
+    t = Trainer(model=model, settings=settings, optimizer=optax.sgd(1e-2), schedule=optax.constant_schedule(1e-2),
+                engine=None, tokenizer=None, loader=None, reward_fn=None, train_policy=t.train_policy,
+                push_weights=lambda *a: None, plan=plan)
+    # XLA:CPU does not honour donation, so the buffers themselves are checked: the reference owns its own
+    pointers = lambda tree: {x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)}
+    assert not pointers(t.ref_params) & pointers(t.params)
+    before = [np.asarray(x) for x in jax.tree.leaves(t.ref_params)]
+    mb = {k: jnp.asarray(v) for k, v in _minibatch(t.cfg).items()}
+    t.params, t.opt_state, _ = t.apply_update(mb, jnp.float32(mb["mask"].sum()))
+    after = [np.asarray(x) for x in jax.tree.leaves(t.ref_params)]  # on a GPU: raises if they were donated
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
