@@ -32,6 +32,7 @@ def test_defaults_and_shipped_configs_validate():
     ("rollout.refill_every", 0, "config.rollout.refill_every: must be an int >= 1"),
     ("rl.micro_batch_rows", -2, "config.rl.micro_batch_rows: must be an int >= 0"),
     ("rl.micro_batch_rows", 5, "config.rl.micro_batch_rows: 5 must divide the minibatch"),
+    ("rl.logit_chunk_tokens", -1, "config.rl.logit_chunk_tokens: must be an int >= 0"),
 ])
 def test_bad_values_name_their_key(key, value, msg):
     c = base_config()

@@ -118,6 +118,10 @@ def base_config() -> ml_collections.ConfigDict:
     # prompts_per_step*n_samples/num_minibatches), one optimizer update per minibatch; bounds the update's activation
     # memory by the micro-batch instead of the minibatch. 0: the whole minibatch at once.
     c.rl.micro_batch_rows = 0
+    # > 0: the loss's head / log-softmax / entropy over chunks of this many token positions, recomputed in the backward:
+    # the update never holds [tokens, vocab] float32 logits (~24 B x vocab a token, 3.6 MB at vocab 151936); same
+    # values. 0: all positions at once.
+    c.rl.logit_chunk_tokens = 0
     c.rl.learning_rate = 1e-6
     c.rl.lr_schedule = "constant"  # constant | cosine
     c.rl.warmup_steps = 0
@@ -228,6 +232,8 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     minibatch = total // rl.num_minibatches
     _check(micro == 0 or minibatch % micro == 0, "rl.micro_batch_rows",
            f"{micro} must divide the minibatch of {minibatch} rows (prompts_per_step*n_samples/num_minibatches)")
+    lchunk = rl.get("logit_chunk_tokens", 0)
+    _check(_is_int(lchunk) and lchunk >= 0, "rl.logit_chunk_tokens", f"must be an int >= 0 (0: all positions at once), got {lchunk!r}")
     _check(rl.grad_clip >= 0, "rl.grad_clip", "must be >= 0 (0 disables)")
     _check(c.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
     _check(c.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")

@@ -173,7 +173,7 @@ def run(c, on_step=None) -> str:
         compute_dtype=jnp.bfloat16 if c.model.dtype == "bfloat16" else jnp.float32, seed=c.seed,
         eval_every_steps=c.logging.eval_every_steps, use_ref=c.rl.kl_coef > 0,
         ignore_eos=c.rollout.ignore_eos, logprob_chunk_rows=c.rl.logprob_chunk_rows,
-        micro_batch_rows=c.rl.micro_batch_rows)
+        micro_batch_rows=c.rl.micro_batch_rows, logit_chunk_tokens=c.rl.logit_chunk_tokens)
     optimizer, schedule = make_optimizer(c.rl, c.total_steps * c.rl.num_minibatches)
     trainer = Trainer(model=model, settings=settings, optimizer=optimizer, schedule=schedule, engine=engine,
                       tokenizer=tokenizer, loader=loader, reward_fn=reward_fn, train_policy=train_policy,

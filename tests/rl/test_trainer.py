@@ -33,13 +33,13 @@ def _minibatch(cfg, seed=0):
                 mask=mask, advantages=rng.normal(size=(ROWS,)).astype(np.float32))
 
 
-def _trainer(micro: int, loss: PolicyLossConfig) -> Trainer:
+def _trainer(micro: int, loss: PolicyLossConfig, logit_chunk: int = 0) -> Trainer:
     cfg = tiny_config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
     settings = TrainerSettings(total_steps=1, prompts_per_step=2, n_samples=4, seq_len=T, temperature=1.0, top_p=1.0,
                                top_k=-1, max_new_tokens=4, routing_replay=True, advantage="grpo", std_normalize=True,
                                num_minibatches=1, loss=loss, backward="high_precision", compute_dtype=jnp.float32,
-                               seed=0, micro_batch_rows=micro)
+                               seed=0, micro_batch_rows=micro, logit_chunk_tokens=logit_chunk)
     model = Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
     policy = PrecisionPolicy.for_format("bf16", num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts)
     return Trainer(model=model, settings=settings, optimizer=optax.sgd(1e-2), schedule=optax.constant_schedule(1e-2),
@@ -54,20 +54,23 @@ LOSSES = {
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
-def test_micro_batches_equal_the_whole_minibatch(name):
+def test_micro_batches_and_logit_chunks_equal_the_whole_minibatch(name):
     loss = LOSSES[name]
     whole = _trainer(0, loss)
     mb = {k: jnp.asarray(v) for k, v in _minibatch(whole.cfg).items()}
     num_tokens = jnp.float32(mb["mask"].sum())
     ref_loss, ref_metrics, ref_grads = jax.jit(whole._grads)(whole.params, mb, num_tokens)
     assert float(ref_loss) != 0.0
-    for micro in (1, 2, 4):
-        t = _trainer(micro, loss)
+    # (micro-batch rows, logit chunk positions): accumulation alone, chunked logits alone (7 does not divide 8 x 9
+    # positions), both together (the second loss: both together only, to keep compiles few)
+    combos = ((1, 0), (4, 0), (0, 7), (2, 16)) if name == "token_mean_tis" else ((2, 16),)
+    for micro, chunk in combos:
+        t = _trainer(micro, loss, chunk)
         got_loss, got_metrics, got_grads = jax.jit(t._grads)(t.params, mb, num_tokens)
-        np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-5, err_msg=f"micro {micro}")
+        np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-5, err_msg=f"micro {micro}, chunk {chunk}")
         assert set(got_metrics) == set(ref_metrics)
         for key in ref_metrics:
-            np.testing.assert_allclose(got_metrics[key], ref_metrics[key], rtol=1e-5, atol=1e-7, err_msg=f"{key}, micro {micro}")
+            np.testing.assert_allclose(got_metrics[key], ref_metrics[key], rtol=1e-5, atol=1e-7, err_msg=f"{key}, micro {micro}, chunk {chunk}")
         flat_ref, flat_got = jax.tree.leaves(ref_grads), jax.tree.leaves(got_grads)
         assert len(flat_ref) == len(flat_got)
         # float32 summation order (and, on some hosts, XLA:CPU dot kernels that change with the row count): 5e-5 of
@@ -75,7 +78,7 @@ def test_micro_batches_equal_the_whole_minibatch(name):
         scale = max(float(jnp.max(jnp.abs(g))) for g in flat_ref)
         assert scale > 0
         for a, b in zip(flat_ref, flat_got):
-            np.testing.assert_allclose(b, a, rtol=1e-4, atol=5e-5 * scale, err_msg=f"micro {micro}")
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=5e-5 * scale, err_msg=f"micro {micro}, chunk {chunk}")
 
 
 def test_update_with_micro_batches_steps_like_the_whole_minibatch():
@@ -88,6 +91,15 @@ def test_update_with_micro_batches_steps_like_the_whole_minibatch():
     assert float(m0["finite"]) == float(m1["finite"]) == 1.0
     for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_old_logprobs_with_chunked_logits_match():
+    loss = LOSSES["token_mean_tis"]
+    whole, chunked = _trainer(0, loss), _trainer(0, loss, logit_chunk=5)
+    mb = _minibatch(whole.cfg)
+    tokens, routed = jnp.asarray(mb["tokens"]), jnp.asarray(mb["routed"])
+    np.testing.assert_allclose(chunked.old_logprobs(chunked.params, tokens, routed),
+                               whole.old_logprobs(whole.params, tokens, routed), rtol=1e-6, atol=1e-6)
 
 
 def test_micro_batch_rows_must_divide_the_minibatch():

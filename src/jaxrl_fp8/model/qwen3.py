@@ -192,10 +192,11 @@ class DecoderLayer(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelOutput:
-    logits: jax.Array  # f32 [B, T, V]
+    logits: jax.Array | None  # f32 [B, T, V]; None when called with head=False
     routed_experts: jax.Array  # int32 [B, T, num_hidden_layers, k]; -1 for dense layers (k = 1 without MoE)
     aux_loss: jax.Array  # f32 scalar, HF's load-balancing loss (0 without MoE layers)
     cache: KVCache | None = None
+    hidden: jax.Array | None = None  # [B, T, H] final-normed states, what the head multiplies (head=False only)
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
@@ -236,6 +237,7 @@ class Qwen3(nnx.Module):
         token_mask: jax.Array | None = None,
         moe_impl=None,
         logits_at: jax.Array | None = None,
+        head: bool = True,
     ) -> ModelOutput:
         """Forward over input_ids [B, T].
 
@@ -251,6 +253,8 @@ class Qwen3(nnx.Module):
         logits_at: [B] int, one position per row: logits only there ([B, 1, V]; a prefill needs only the last
             prompt position, not B * T * V floats). The values equal those of the full logits (row-invariant
             norm and head).
+        head: False returns the final-normed hidden states (`hidden`) instead of the logits, for a caller that
+            applies `head_weight()` itself in chunks (the trainer's loss: no [B, T, V] float32 array).
         """
         cfg = self.cfg
         b, t = input_ids.shape
@@ -281,8 +285,13 @@ class Qwen3(nnx.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)
         x = rms_norm(x, self.final_norm.scale.get_value(), cfg.rms_norm_eps)
-        head = self.embed.embedding.get_value() if cfg.tie_word_embeddings else self.lm_head.weight.get_value()
-        logits = matmul.high_precision_linear(x, head.astype(x.dtype), F32)
+        logits = matmul.high_precision_linear(x, self.head_weight(x.dtype), F32) if head else None
         if cache is not None:
             cache = cache.with_lengths(cache.lengths + t)
-        return ModelOutput(logits, jnp.stack(routed, axis=2), moe_lib.load_balancing_loss(stats, cfg.num_experts), cache)
+        return ModelOutput(logits, jnp.stack(routed, axis=2), moe_lib.load_balancing_loss(stats, cfg.num_experts), cache,
+                           hidden=None if head else x)
+
+    def head_weight(self, dtype) -> jax.Array:
+        """The [V, H] output projection (the embedding when tied) in `dtype`, as the forward multiplies it."""
+        w = self.embed.embedding.get_value() if self.cfg.tie_word_embeddings else self.lm_head.weight.get_value()
+        return w.astype(dtype)

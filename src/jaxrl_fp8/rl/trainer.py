@@ -28,6 +28,7 @@ from jaxrl_fp8.rl.batch import TrainBatch, build_batch
 from jaxrl_fp8.rl.losses import PolicyLossConfig, entropy_from_logits, policy_loss
 from jaxrl_fp8.rl.mismatch import mismatch_metrics
 from jaxrl_fp8.rl.rewards import compute_rewards
+from jaxrl_fp8.rl.token_stats import chunked_token_stats
 # The rollout's log-prob convention (log_softmax(logits / T), row invariant): one definition for sampler and learner.
 from jaxrl_fp8.rollout.sampling import tempered_logits, token_logprobs
 from jaxrl_fp8.rollout.types import SamplingParams
@@ -69,6 +70,10 @@ class TrainerSettings:
     # Same loss (every micro-batch is normalised by the whole minibatch's token / sequence count); the gradient
     # differs from the unsplit one only in float32 summation order. 0: the whole minibatch at once.
     micro_batch_rows: int = 0
+    # > 0: the head, log-softmax and entropy of the loss (and of the old-log-prob pass) run over chunks of this many
+    # token positions, each recomputed in the backward (`rl.token_stats`): no [B, T, V] float32 logits in memory.
+    # Same values (row-invariant head and reductions). 0: the whole batch's logits at once.
+    logit_chunk_tokens: int = 0
 
 
 def make_optimizer(rl_cfg, total_updates: int) -> tuple[optax.GradientTransformation, Callable]:
@@ -150,19 +155,26 @@ class Trainer:
         out = jax.tree.map(lambda x: x.astype(self.s.compute_dtype), params)
         return out if self.plan is None else self.plan.constrain_compute(out)
 
-    def _forward_logprobs(self, params, tokens, routed):
+    def _forward_stats(self, params, tokens, routed, with_entropy: bool = True):
+        """(log-probs, entropies or None) of `tokens[:, 1:]`, float32 [B, T - 1], under `params` (R3 replay)."""
         model = nnx.merge(self.graphdef, self.compute_params(params))
-        out = model(tokens, routed_experts=routed, policy=self.train_policy, backward=self.s.backward, moe_impl=self.moe_impl)
+        chunk, temp = self.s.logit_chunk_tokens, self.s.temperature
+        out = model(tokens, routed_experts=routed, policy=self.train_policy, backward=self.s.backward,
+                    moe_impl=self.moe_impl, head=chunk <= 0)
+        if chunk > 0:
+            hidden = out.hidden[:, :-1]
+            return chunked_token_stats(hidden, model.head_weight(hidden.dtype), tokens[:, 1:], temp, chunk,
+                                       with_entropy=with_entropy)
         logits = out.logits[:, :-1]
-        return token_logprobs(logits, tokens[:, 1:], self.s.temperature), logits
+        ent = entropy_from_logits(tempered_logits(logits, temp)) if with_entropy else None
+        return token_logprobs(logits, tokens[:, 1:], temp), ent
 
     def _logprobs(self, params, tokens, routed):
-        return self._forward_logprobs(params, tokens, routed)[0]
+        return self._forward_stats(params, tokens, routed, with_entropy=False)[0]
 
     def _loss(self, params, mb, num_tokens, num_sequences=None):
-        logp, logits = self._forward_logprobs(params, mb["tokens"], mb.get("routed"))
-        # logged always; enters the loss only with entropy_coef > 0
-        ent = entropy_from_logits(tempered_logits(logits, self.s.temperature))
+        # the entropy is logged always; it enters the loss only with entropy_coef > 0
+        logp, ent = self._forward_stats(params, mb["tokens"], mb.get("routed"))
         return policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"], self.s.loss,
                            rollout_logp=mb["rollout_logp"] if self.s.loss.use_tis else None,
                            ref_logp=mb.get("ref_logp"), entropy=ent, num_tokens=num_tokens, num_sequences=num_sequences)

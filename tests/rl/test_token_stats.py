@@ -1,0 +1,75 @@
+"""Chunked head + log-softmax + entropy == the whole-batch computation (values and gradients)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_fp8.model.matmul import high_precision_linear
+from jaxrl_fp8.rl.losses import entropy_from_logits
+from jaxrl_fp8.rl.token_stats import chunked_token_stats
+from jaxrl_fp8.rollout.sampling import tempered_logits, token_logprobs
+
+B, T, H, V = 3, 7, 32, 97
+
+
+def _inputs(seed=0, dtype=jnp.float32):
+    k = jax.random.split(jax.random.key(seed), 3)
+    hidden = jax.random.normal(k[0], (B, T, H), dtype)
+    head = (0.3 * jax.random.normal(k[1], (V, H))).astype(dtype)
+    targets = jax.random.randint(k[2], (B, T), 0, V)
+    return hidden, head, targets
+
+
+def _whole(hidden, head, targets, temperature):
+    logits = high_precision_linear(hidden, head, jnp.float32)
+    return token_logprobs(logits, targets, temperature), entropy_from_logits(tempered_logits(logits, temperature))
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 21, 64])  # dividing B*T or not, one chunk larger than everything
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_values_match_the_whole_batch(chunk, temperature):
+    hidden, head, targets = _inputs()
+    ref_logp, ref_ent = _whole(hidden, head, targets, temperature)
+    logp, ent = jax.jit(chunked_token_stats, static_argnums=(4,))(hidden, head, targets, temperature, chunk)
+    assert logp.shape == ent.shape == (B, T) and logp.dtype == jnp.float32
+    np.testing.assert_allclose(logp, ref_logp, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ent, ref_ent, rtol=1e-6, atol=1e-6)
+    no_ent = chunked_token_stats(hidden, head, targets, temperature, chunk, with_entropy=False)
+    assert no_ent[1] is None
+    np.testing.assert_array_equal(no_ent[0], logp)
+
+
+@pytest.mark.row_invariant_cpu
+def test_values_are_bitwise_where_the_head_is_row_invariant():
+    hidden, head, targets = _inputs(1, jnp.bfloat16)
+    ref_logp, ref_ent = _whole(hidden, head, targets, 1.0)
+    logp, ent = chunked_token_stats(hidden, head, targets, 1.0, 5)
+    np.testing.assert_array_equal(logp, ref_logp)
+    np.testing.assert_array_equal(ent, ref_ent)
+
+
+def test_gradients_match_the_whole_batch():
+    hidden, head, targets = _inputs(2)
+    w = jax.random.normal(jax.random.key(9), (B, T))
+
+    def loss(fn):
+        def f(h, hd):
+            logp, ent = fn(h, hd)
+            return jnp.sum(w * logp) + 0.1 * jnp.sum(ent)
+        return f
+
+    ref = jax.grad(loss(lambda h, hd: _whole(h, hd, targets, 0.9)), argnums=(0, 1))(hidden, head)
+    got = jax.jit(jax.grad(loss(lambda h, hd: chunked_token_stats(h, hd, targets, 0.9, 4)), argnums=(0, 1)))(hidden, head)
+    for a, b in zip(ref, got):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+
+
+def test_bad_arguments_are_named():
+    hidden, head, targets = _inputs()
+    with pytest.raises(ValueError, match="targets"):
+        chunked_token_stats(hidden, head, targets[:, 1:], 1.0, 4)
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        chunked_token_stats(hidden, head, targets, 1.0, 0)
