@@ -41,7 +41,7 @@ def bench():
 
 @pytest.mark.slow
 def test_tiny_two_steps_of_fp8_block(tmp_path):
-    res, out, stdout = _run(tmp_path, "--recipes", "fp8_block", "--steps", "2", "--micro-batch", "1")
+    res, out, stdout = _run(tmp_path, "--recipes", "fp8_block", "--steps", "2", "--micro-batch", "1", "--logit-chunk", "8")
     assert out.with_suffix(".png").stat().st_size > 1000
     assert res["benchmark"] == "rl_step" and res["tiny"] is True
     assert res["device"]["platform"] == "cpu" and set(res["versions"]) >= {"python", "jax", "jaxlib"}
@@ -56,7 +56,8 @@ def test_tiny_two_steps_of_fp8_block(tmp_path):
     # minibatches of 2 rows, each gradient accumulated over two 1-row micro-batches (one optimizer update per minibatch)
     assert point["sizes"] == {"layers": 2, "prompts": 2, "samples": 2, "batch": 2, "steps": 2, "rows": 4,
                               "micro_batch": 1, "logprob_chunk": 1}
-    assert cfg["rl"]["micro_batch_rows"] == 1 and cfg["rl"]["num_minibatches"] == 2
+    assert cfg["rl"]["micro_batch_rows"] == 1 and cfg["rl"]["num_minibatches"] == 2 and cfg["rl"]["logit_chunk_tokens"] == 8
+    assert res["shapes"]["memory_estimate"]["16"]["logit_chunk_bytes"] > 0
     assert [r["step"] for r in point["rows"]] == [1, 2]
     for row in point["rows"]:
         assert row["response_length"] == 16.0 and row["truncated_frac"] == 1.0  # EOS suppressed: lengths as asked

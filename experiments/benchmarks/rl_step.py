@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=None,
                    help="rows per micro-batch of an update (config rl.micro_batch_rows: the minibatch's gradient "
                         "accumulated over micro-batches, one optimizer update per minibatch; default: the whole minibatch)")
+    p.add_argument("--logit-chunk", type=int, default=None,
+                   help="token positions per chunk of the loss's head / log-softmax / entropy (config "
+                        "rl.logit_chunk_tokens; recomputed in the backward: no [tokens, vocab] logits; default: off)")
     p.add_argument("--logprob-chunk", type=int, default=None,
                    help="rows per call of the old-log-prob pass (config rl.logprob_chunk_rows; default: --batch)")
     p.add_argument("--attention-impl", default=None,
@@ -270,6 +273,7 @@ def point_config(args, recipe: str, length: int, workdir: str):
     c.rl.num_minibatches = s["rows"] // s["batch"]
     c.rl.logprob_chunk_rows = s["logprob_chunk"]
     c.rl.micro_batch_rows = 0 if s["micro_batch"] == s["batch"] else s["micro_batch"]
+    c.rl.logit_chunk_tokens = args.logit_chunk or 0
     as_benchmark_run(c)
     for assignment in args.set:
         apply_override(c, assignment)
@@ -295,20 +299,24 @@ def param_counts(model: dict, layers: int) -> dict:
                 embedding=v * h, lm_head=v * h, active_per_token=active)
 
 
-def memory_estimate(model: dict, layers: int, batch: int, seq: int, accumulate: bool = False) -> dict:
+def memory_estimate(model: dict, layers: int, batch: int, seq: int, accumulate: bool = False, logit_chunk: int = 0) -> dict:
     """The docstring's estimate of the update's peak (bytes): weights-related + the activations of the `batch` rows
     live at once (the minibatch, or one micro-batch with `accumulate`, whose float32 gradient sum takes another
-    4 B/param). Fitted to XLA:CPU's memory analysis of the real update program (bf16 recipe, XLA attention;
-    results/rl_step_memory_analysis_cpu.json, section compiled_for_cpu)."""
+    4 B/param); with `logit_chunk` positions per head chunk (rl.logit_chunk_tokens) the ~24 x vocab bytes a token
+    of logits are live for one chunk only. Fitted to XLA:CPU's memory analysis of the real update program (bf16
+    recipe, XLA attention; results/rl_step_memory_analysis_cpu.json, section compiled_for_cpu)."""
     p = param_counts(model, layers)["total"]
     weights = (30 if accumulate else 26) * p
     v, nh = model["vocab_size"], model["num_attention_heads"]
     per_token_layer = 8 * (2 * model["hidden_size"] + 4 * model["moe_intermediate_size"]) * 4 + 20 * model["hidden_size"] * 4
-    row = seq * (24 * v + layers * (per_token_layer + 12 * nh * seq))
-    return dict(weights_bytes=weights, activations_per_row_bytes=row, minibatch_rows=batch,
-                update_peak_bytes=weights + batch * row,
-                rule="26 B/param (30 with micro-batches: their float32 gradient sum) (update arguments: FP32 masters 4 + Adam 8; its outputs, no donation: 12; the engine's "
-                     "BF16 rollout weights 2) + rows x T x (24 x vocab + layers x (MoE/attention ~0.39 MB + 12 x heads x T))")
+    logits_per_token = 0 if logit_chunk else 24 * v
+    row = seq * (logits_per_token + layers * (per_token_layer + 12 * nh * seq))
+    logits = 24 * v * min(logit_chunk, batch * seq) if logit_chunk else 0
+    return dict(weights_bytes=weights, activations_per_row_bytes=row, minibatch_rows=batch, logit_chunk_bytes=logits,
+                update_peak_bytes=weights + batch * row + logits,
+                rule="26 B/param (30 with micro-batches: their float32 gradient sum) (update arguments: FP32 masters 4 + "
+                     "Adam 8; its outputs, no donation: 12; the engine's BF16 rollout weights 2) + rows x T x (24 x vocab "
+                     "(once per chunk instead with logit chunks) + layers x (MoE/attention ~0.39 MB + 12 x heads x T))")
 
 
 # --------------------------------------------------------------------------------------------------- child
@@ -857,7 +865,8 @@ def main(argv=None) -> int:
                     sizes={str(n): sizes[n] for n in args.lengths},
                     memory_estimate={str(n): memory_estimate(model, sizes[n]["layers"], sizes[n]["micro_batch"],
                                                              args.prompt_tokens + n,
-                                                             sizes[n]["micro_batch"] < sizes[n]["batch"])
+                                                             sizes[n]["micro_batch"] < sizes[n]["batch"],
+                                                             args.logit_chunk or 0)
                                      for n in args.lengths}),
         warmup_steps=args.warmup_steps, time_budget_seconds=args.time_budget or None,
         env={k: os.environ.get(k) for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
@@ -894,7 +903,7 @@ def main(argv=None) -> int:
                "--prompt-tokens", str(args.prompt_tokens), "--response-lengths", str(length), "--seed", str(args.seed),
                "--recipes", recipe]
         for flag, v in (("--layers", args.layers), ("--steps", args.steps), ("--prompts", args.prompts), ("--samples-per-prompt", args.samples_per_prompt),
-                        ("--batch", args.batch), ("--micro-batch", args.micro_batch), ("--logprob-chunk", args.logprob_chunk), ("--attention-impl", args.attention_impl)):
+                        ("--batch", args.batch), ("--micro-batch", args.micro_batch), ("--logit-chunk", args.logit_chunk), ("--logprob-chunk", args.logprob_chunk), ("--attention-impl", args.attention_impl)):
             if v is not None:
                 cmd += [flag, str(v)]
         if args.tiny:
