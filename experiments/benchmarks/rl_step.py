@@ -695,7 +695,8 @@ def memory_analysis(args) -> int:
                                   seq_len=args.prompt_tokens + length, temperature=1.0, top_p=1.0, top_k=-1,
                                   max_new_tokens=length, routing_replay=True, advantage="grpo", std_normalize=True,
                                   num_minibatches=s["rows"] // s["batch"], loss=PolicyLossConfig(use_tis=True),
-                                  backward=recipe.backward, compute_dtype=jnp.bfloat16, seed=0)
+                                  backward=recipe.backward, compute_dtype=jnp.bfloat16, seed=0,
+                                  micro_batch_rows=c.rl.micro_batch_rows, logit_chunk_tokens=c.rl.logit_chunk_tokens)
             t.graphdef, t.optimizer, t.train_policy, t.plan, t.moe_impl = graphdef, optimizer, train_policy, None, None
             seq = args.prompt_tokens + length
             k = cfg.num_experts_per_tok
@@ -706,8 +707,9 @@ def memory_analysis(args) -> int:
 
             entry = dict(recipe=recipe_name, response_tokens=length, layers=cfg.num_hidden_layers, sizes=s,
                          backend=jax.default_backend(), params=param_counts(FULL if not args.tiny else TINY, cfg.num_hidden_layers),
-                         estimate=memory_estimate(FULL if not args.tiny else TINY,
-                                                                                 cfg.num_hidden_layers, s["batch"], seq))
+                         estimate=memory_estimate(FULL if not args.tiny else TINY, cfg.num_hidden_layers,
+                                                  s["micro_batch"], seq, s["micro_batch"] < s["batch"],
+                                                  c.rl.logit_chunk_tokens))
             push, rollout, rollout_args = _engine_programs(graphdef, params, train_policy.with_format(recipe.rollout_format),
                                                            s["rows"], args.prompt_tokens, length)
             for name, fn, call in (
