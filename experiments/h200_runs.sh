@@ -13,6 +13,10 @@
 #                                            # continuous vs static, decode step vs roofline; RECIPES default bf16,fp8_block
 #                                            # (one recipe per call if both do not fit: bf16, then fp8_block,
 #                                            # appended into one $OUT/rollout_workload_h200.json)
+#   bash experiments/h200_runs.sh rollout_workload_fast [RECIPES]  # the same workload on the non-bitwise engine
+#                                            # (--mode fast: xla attention, JAXRL_FP8_HIGH_PRECISION=xla), continuous only
+#                                            # (~4 min for both recipes) -> $OUT/rollout_workload_fast_h200.json; then
+#                                            # rollout_workload.py --merge results/rollout_workload_h200.json,<that> --out ...
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
 #   bash experiments/h200_runs.sh curves     # recipe curves (short RL runs, identical seeds)
 #   bash experiments/h200_runs.sh diag       # GPU vs CPU bits of the XLA quantizers per XLA flag set (experiments/checks)
@@ -183,6 +187,9 @@ case "${1:-}" in
   rollout_workload) r="${2:-bf16,fp8_block}"
               $PY experiments/benchmarks/rollout_workload.py --recipes "$r" --append --out "$OUT/rollout_workload_h200.json" 2>&1 \
               | quiet | tee "$OUT/rollout_workload_${r/,/_}.log" ;;
+  rollout_workload_fast) r="${2:-bf16,fp8_block}"
+              $PY experiments/benchmarks/rollout_workload.py --mode fast --schedulers continuous --recipes "$r" \
+              --out "$OUT/rollout_workload_fast_h200.json" 2>&1 | quiet | tee "$OUT/rollout_workload_fast_${r/,/_}.log" ;;
   decode) $PY experiments/benchmarks/decode.py --batches 1,32,256 --gen-len 64 --repeats 2 --out "$OUT/decode_h200.json" 2>&1 | quiet | tee "$OUT/decode.log" ;;
   mismatch) $PY experiments/mismatch_study.py --sizes "${2:?size name, e.g. moe-60M}" --num-prompts 128 --max-new-tokens 64 \
               --append --out "$OUT/mismatch_h200" --compile-cache /tmp/jax_cache --no-progress 2>&1 | tail -20 ;;

@@ -47,3 +47,41 @@ def test_tiny_workload_runs_and_reports_targets(tmp_path):
     assert again["results"][:2] == r["results"][:2] and again["results"][2:] != r["results"][2:]
     assert again["comparison"]["bitwise_equal"] == {"bf16": True, "fp8_block": True}
     assert "fp8_over_bf16" in again["comparison"] and len(again["decode_step"]) == 2
+
+    # the non-bitwise engine (--mode fast: xla attention and dots) in its own process, merged beside the bitwise run
+    fast = tmp_path / "fast.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--mode", "fast", "--recipes", "bf16", "--schedulers",
+                        "continuous", "--out", str(fast)], env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert p.returncode == 0, f"{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
+    f = json.loads(fast.read_text())
+    assert f["mode"] == "fast" and f["model"]["attention_impl"] == "xla"
+    assert [(x["recipe"], x["mode"], x["scheduler"]) for x in f["results"]] == [("bf16", "fast", "continuous")]
+    merged = tmp_path / "merged.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--merge", f"{out},{fast}", "--out", str(merged)], env=env,
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    m = json.loads(merged.read_text())
+    assert len(m["results"]) == 5 and len(m["decode_step"]) == 3
+    assert m["mode"] == "bitwise" and m["model"]["attention_impl"] == r["model"]["attention_impl"]
+    cost = m["comparison"]["fast_over_bitwise"]["bf16"]
+    assert cost["steady"] > 0 and cost["bitwise_cost_steady"] == pytest.approx(1 - 1 / cost["steady"])
+    assert m["comparison"]["bitwise_equal"] == r["comparison"]["bitwise_equal"]
+    assert set(m["comparison"]["roofline_fraction_at_slots"]) == {"bf16", "fp8_block"}  # bitwise steps only
+    assert len(m["merged_from"]) == 2
+
+
+def test_merge_refuses_another_workload(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    import rollout_workload
+
+    base = dict(command="x", date="d", bandwidth={}, workload={"rows": 1}, engine={}, model={"layers": 1},
+                results=[], decode_step=[], complete=True)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(base))
+    b.write_text(json.dumps(dict(base, workload={"rows": 2})))
+    with pytest.raises(SystemExit, match="another workload"):
+        rollout_workload.merge([str(a), str(b)], str(tmp_path / "m.json"))
+    b.write_text(json.dumps(dict(base, model={"layers": 2})))
+    with pytest.raises(SystemExit, match="another model"):
+        rollout_workload.merge([str(a), str(b)], str(tmp_path / "m.json"))
+    assert not (tmp_path / "m.json").exists()

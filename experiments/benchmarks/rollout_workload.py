@@ -73,6 +73,10 @@ def parse_args(argv=None):
     p.add_argument("--step-new", type=int, default=64, help="tokens of the decode-step measurement (<= --max-len)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of the step measurement (best reported)")
     p.add_argument("--attention", default="auto", choices=["auto", "flash", "xla", "exact"])
+    p.add_argument("--mode", default="bitwise", choices=["bitwise", "fast"],
+                   help="bitwise: the engine as it ships (row-invariant attention and products); fast: the non-bitwise "
+                        "engine for comparison - 'xla' attention (cuDNN / einsum) and JAXRL_FP8_HIGH_PRECISION=xla "
+                        "(cuBLAS dots), set before any program is traced, so run it as its own process")
     p.add_argument("--copy-mib", type=int, default=2048)
     p.add_argument("--progress", action="store_true", help="tqdm bar of the continuous scheduler")
     p.add_argument("--static-shapes", action="store_true",
@@ -84,6 +88,10 @@ def parse_args(argv=None):
     p.add_argument("--merge", default="",
                    help="comma list of result JSONs of the same workload (one recipe each): merge them into --out (no run)")
     args = p.parse_args(argv)
+    if args.mode == "fast":
+        if args.attention not in ("auto", "xla"):
+            p.error(f"--mode fast runs the 'xla' attention; --attention {args.attention} contradicts it")
+        args.attention = "xla"
     if args.tiny:
         apply_tiny_slice(args)
         args.prompts, args.samples, args.prompt_len, args.max_len, args.median_len = 3, 4, 12, 40, 8.0
@@ -202,13 +210,23 @@ def step_measurement(engine_cls, policy, engine_config, cfg, args, rng, bw_copy)
     }
 
 
+def mode_of(point: dict) -> str:
+    """A point's engine mode (`--mode`); points written before the flag existed are bitwise."""
+    return point.get("mode", "bitwise")
+
+
+def key_of(point: dict) -> tuple[str, str]:
+    return point["recipe"], mode_of(point)
+
+
 def compare(results: list[dict], steps: list[dict], bitwise_equal: dict) -> dict:
     """The targets' ratios over every recipe's points (steady tokens/s: what an RL run sees after its first step;
     end to end beside it), met or missed."""
     comparison: dict = {"bitwise_equal": dict(bitwise_equal)} if bitwise_equal else {}
 
-    def point(recipe, scheduler):
-        return next((p for p in results if p["recipe"] == recipe and p["scheduler"] == scheduler), None)
+    def point(recipe, scheduler, mode="bitwise"):
+        return next((p for p in results if p["recipe"] == recipe and p["scheduler"] == scheduler
+                     and mode_of(p) == mode), None)
 
     for recipe_name in sorted({p["recipe"] for p in results}):
         c, s = point(recipe_name, "continuous"), point(recipe_name, "static")
@@ -217,7 +235,15 @@ def compare(results: list[dict], steps: list[dict], bitwise_equal: dict) -> dict
             comparison.setdefault("continuous_over_static", {})[recipe_name] = {
                 "steady": ratio, "end_to_end": c["tokens_per_s"] / s["tokens_per_s"],
                 "target": TARGETS["continuous_over_static"], "met": ratio >= TARGETS["continuous_over_static"]}
+    for recipe_name in sorted({p["recipe"] for p in results}):
+        c, f = point(recipe_name, "continuous"), point(recipe_name, "continuous", "fast")
+        if c and f:  # what bit-exactness costs: the non-bitwise engine's tokens/s over the bitwise one's
+            comparison.setdefault("fast_over_bitwise", {})[recipe_name] = {
+                "steady": f["steady_tokens_per_s"] / c["steady_tokens_per_s"], "end_to_end": f["tokens_per_s"] / c["tokens_per_s"],
+                "bitwise_cost_steady": 1.0 - c["steady_tokens_per_s"] / f["steady_tokens_per_s"]}
     for step in steps:
+        if mode_of(step) != "bitwise":
+            continue
         f = step["fraction_of_copy_roofline"]
         comparison.setdefault("roofline_fraction_at_slots", {})[step["recipe"]] = {
             "fraction": f, "target": TARGETS["roofline_fraction_at_slots"],
@@ -238,17 +264,21 @@ def merge(paths: list[str], out: str) -> dict:
         with open(path) as f:
             docs.append(json.load(f))
     first = docs[0]
+    same_model = lambda d: {k: v for k, v in d.get("model", {}).items() if k != "attention_impl"}  # noqa: E731
     for path, doc in zip(paths[1:], docs[1:]):
-        for key in ("workload", "model", "engine"):
+        for key in ("workload", "engine"):
             if doc.get(key) != first.get(key):
                 raise SystemExit(f"--merge: {path} has another {key} than {paths[0]}")
+        if same_model(doc) != same_model(first):
+            raise SystemExit(f"--merge: {path} has another model than {paths[0]}")
     results, steps, bitwise = [], [], {}
     for doc in docs:
-        recipes = {p["recipe"] for p in doc["results"]} | {p["recipe"] for p in doc["decode_step"]}
-        results = [p for p in results if p["recipe"] not in recipes] + doc["results"]
-        steps = [p for p in steps if p["recipe"] not in recipes] + doc["decode_step"]
+        keys = {key_of(p) for p in doc["results"]} | {key_of(p) for p in doc["decode_step"]}
+        results = [p for p in results if key_of(p) not in keys] + doc["results"]
+        steps = [p for p in steps if key_of(p) not in keys] + doc["decode_step"]
         bitwise.update(doc.get("comparison", {}).get("bitwise_equal", {}))
-    merged = dict(docs[-1], results=results, decode_step=steps, complete=all(d.get("complete") for d in docs),
+    bitwise_docs = [d for d in docs if d.get("mode", "bitwise") == "bitwise"] or docs
+    merged = dict(bitwise_docs[-1], results=results, decode_step=steps, complete=all(d.get("complete") for d in docs),
                   comparison=compare(results, steps, bitwise),
                   merged_from=[{"command": d["command"], "date": d["date"], "bandwidth": d["bandwidth"]} for d in docs])
     tmp = out + ".tmp"
@@ -268,6 +298,10 @@ def main(argv=None) -> int:
             print(f"{name}: {json.dumps(entry)}")
         print(f"wrote {args.out}")
         return 0
+    if args.mode == "fast":  # before anything is traced: ops.high_precision reads it when a program is built
+        from jaxrl_fp8.ops.high_precision import ENV
+
+        os.environ[ENV] = "xla"
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -307,9 +341,10 @@ def main(argv=None) -> int:
             prior = json.load(f)
         if prior.get("workload", {}).get("response_tokens") != total_tokens or prior.get("model", {}).get("num_hidden_layers") != cfg.num_hidden_layers:
             raise SystemExit(f"--append: {path} holds another workload or model; use another --out")
-        results += [p for p in prior["results"] if p["recipe"] not in recipes]
-        steps += [p for p in prior["decode_step"] if p["recipe"] not in recipes]
-        kept = {p["recipe"] for p in results}
+        mine = {(r, args.mode) for r in recipes}
+        results += [p for p in prior["results"] if key_of(p) not in mine]
+        steps += [p for p in prior["decode_step"] if key_of(p) not in mine]
+        kept = {p["recipe"] for p in results if mode_of(p) == "bitwise"}
         comparison["bitwise_equal"] = {k: v for k, v in prior.get("comparison", {}).get("bitwise_equal", {}).items() if k in kept}
 
     def write(complete: bool):
@@ -321,6 +356,7 @@ def main(argv=None) -> int:
             "versions": {"python": platform.python_version(), "jax": jax.__version__,
                          "jaxlib": importlib.metadata.version("jaxlib"), "flax": importlib.metadata.version("flax")},
             "tiny": args.tiny,
+            "mode": args.mode,
             "model": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                                    "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
                                                    "num_experts_per_tok", "attention_impl")},
@@ -377,7 +413,7 @@ def main(argv=None) -> int:
             produced = sum(s.response_ids.size for s in samples)
             assert produced == total_tokens, (produced, total_tokens)
             steady = max(wall - compile_s, 1e-9)
-            point = {"recipe": recipe_name, "rollout_format": recipe.rollout_format, "scheduler": scheduler,
+            point = {"recipe": recipe_name, "mode": args.mode, "rollout_format": recipe.rollout_format, "scheduler": scheduler,
                      "wall_s": wall, "compile_s": compile_s, "tokens_per_s": produced / wall,
                      "steady_tokens_per_s": produced / steady, "stats": stats}
             if stats.get("decode_steps"):
@@ -391,17 +427,21 @@ def main(argv=None) -> int:
             del engine
             write(False)
         if len(by_scheduler) > 1:
-            comparison.setdefault("bitwise_equal", {})[recipe_name] = same_bits(*by_scheduler.values())
+            key = "bitwise_equal" if args.mode == "bitwise" else "fast_mode_schedulers_equal"
+            comparison.setdefault(key, {})[recipe_name] = same_bits(*by_scheduler.values())
         del by_scheduler
         step = step_measurement(EmbeddedEngine, policy, ec, cfg, args, rng, bw_copy)
-        step["recipe"] = recipe_name
+        step["recipe"], step["mode"] = recipe_name, args.mode
         steps.append(step)
         print(f"{recipe_name:10s} decode step at {args.slots} rows: {step['step_ms'] or float('nan'):.3f} ms, roofline "
               f"{step['roofline_step_ms_at_copy_bw']:.3f} ms ({100 * (step['fraction_of_copy_roofline'] or math.nan):.1f} %)",
               flush=True)
         write(False)
 
+    fast_equal = comparison.get("fast_mode_schedulers_equal")
     comparison = compare(results, steps, comparison.get("bitwise_equal", {}))
+    if fast_equal:
+        comparison["fast_mode_schedulers_equal"] = fast_equal
     write(True)
 
     print("\n| recipe | scheduler | wall s | compile s | tok/s | steady tok/s | decode steps | mean active |")
