@@ -14,7 +14,7 @@
 #                                            # (one recipe per call if both do not fit: bf16, then fp8_block,
 #                                            # appended into one $OUT/rollout_workload_h200.json)
 #   bash experiments/h200_runs.sh rollout_workload_fast [RECIPES]  # the same workload on the non-bitwise engine
-#                                            # (--mode fast: xla attention, JAXRL_FP8_HIGH_PRECISION=xla), continuous only
+#                                            # (--mode fast: JAXRL_FP8_HIGH_PRECISION=xla, cuBLAS dots), continuous only
 #                                            # (~4 min for both recipes) -> $OUT/rollout_workload_fast_h200.json; then
 #                                            # rollout_workload.py --merge results/rollout_workload_h200.json,<that> --out ...
 #   bash experiments/h200_runs.sh mismatch moe-60M   # one size of the mismatch study (append into $OUT/mismatch_h200)
