@@ -30,14 +30,22 @@
 #                                            # instead of 32 updates of 2 rows
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
-# decode, rollout_workload and mismatch write their JSON after every point / size, so a stage cut short keeps what it
-# measured.
+#   bash experiments/h200_runs.sh profile [DEADLINE_S]  # (~5-6 min of the 570 s default) where the time of one decode
+#                                            # step (256 rows, 256-token prompts) and of one train update (2 x 1280 tokens)
+#                                            # goes, per kernel: step_profile.py, bf16 + fp8_block, jax.profiler traces
+#                                            # -> $OUT/step_profile_h200.json + .log. Estimate: 4 compiles (2 programs x
+#                                            # 2 recipes) of ~60 s, model inits ~20 s, timed + profiled runs ~30 s.
+#                                            # STEP_PROFILE_ARGS adds flags (e.g. "--programs decode" or "--trace-dir
+#                                            # $OUT/step_profile_traces" to keep the raw traces); the update needs
+#                                            # ml_collections (train_deps: carry .whl/)
+# decode, rollout_workload, mismatch and profile write their JSON after every point / size, so a stage cut short keeps
+# what it measured.
 # The GPU image lacks ml_collections, grain (+ array_record, portpicker) and tensorboardX: download their wheels into
 # .whl/ (the versions of .venv; `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux2014_x86_64 ...`), carry .whl and install them into a folder on PYTHONPATH first:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # (without grain and tensorboardX every training run - the recipe curves - stops at its first import). The rl_step
-# stages do this themselves when .whl/ was carried (train_deps below). Wheels (cp312, manylinux): grain 0.2.18,
+# and profile stages do this themselves when .whl/ was carried (train_deps below). Wheels (cp312, manylinux): grain 0.2.18,
 # array_record 0.8.6, ml_collections 1.1.0, tensorboardX 2.6.5, portpicker 1.6.0, cloudpickle 3.1.3 (their other
 # dependencies - absl-py, etils, protobuf, psutil, PyYAML, packaging, numpy - come with orbax / matplotlib on the image).
 set -o pipefail
@@ -148,6 +156,11 @@ case "${1:-}" in
   flash) $PY -m pytest -v -s -m gpu tests/pallas_kernels/test_attention.py tests/rollout/test_flash_rollout_gpu.py \
       tests/model/test_flash_attention.py -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/flash_gpu_tests.log" \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|bit-identical" ;;
+  profile)  # the update program imports jaxrl_fp8.config (ml_collections); without it only its points fail
+    train_deps || echo "warning: no ml_collections: the update points will fail (carry .whl/)"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
+      timeout "${2:-570}" $PY experiments/benchmarks/step_profile.py --out "$OUT/step_profile_h200.json" \
+      ${STEP_PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/step_profile.log" ;;
   train_long) XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-540}" $PY experiments/benchmarks/train_step_long.py \
       --out "$OUT/train_step_long_h200.json" 2>&1 | quiet | tee "$OUT/train_step_long.log" ;;
   invariance) $PY experiments/checks/row_invariance.py --out "$OUT/row_invariance_h200.json" 2>&1 | quiet | tee "$OUT/invariance.log" ;;
@@ -195,5 +208,5 @@ case "${1:-}" in
               --append --out "$OUT/mismatch_h200" --compile-cache /tmp/jax_cache --no-progress 2>&1 | tail -20 ;;
   curves) $PY experiments/recipe_curves.py --steps 100 --set data.prompts_per_step=64 --out "$OUT/recipe_curves_h200" \
               --runs-dir "$OUT/runs" --overwrite 2>&1 | tail -20 ;;
-  *) sed -n 2,20p "$0"; exit 2 ;;
+  *) sed -n '2,/^# decode, rollout_workload, mismatch and profile/p' "$0"; exit 2 ;;
 esac

@@ -104,7 +104,8 @@ def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
                                   compute_thread=compute_thread)
         pipeline(k_ref.at[bi, :, kvh, :], v_ref.at[bi, :, kvh, :])
 
-    call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q.shape, dtype), (h, t // CTA_ROWS, b), ("heads", "q_seq", "batch"), 2)
+    call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q.shape, dtype), (h, t // CTA_ROWS, b), ("heads", "q_seq", "batch"), 2,
+                       name="attention_bwd_dq")
     return launch(call, q, k, v, starts, do, lse2, delta, interpret=interpret)
 
 
@@ -181,7 +182,8 @@ def _dkv(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
         pipeline(q_ref.at[bi], do_ref.at[bi], lse_ref.at[bi], delta_ref.at[bi], start_ref.at[bi])
 
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-    call = kernel_call(scoped, allocations, (kv_type, kv_type), (hkv, t // CTA_ROWS, b), ("kv_heads", "kv_seq", "batch"), 2)
+    call = kernel_call(scoped, allocations, (kv_type, kv_type), (hkv, t // CTA_ROWS, b), ("kv_heads", "kv_seq", "batch"), 2,
+                       name="attention_bwd_dkv")
     return launch(call, q, k, v, starts, do, lse2, delta, interpret=interpret)
 
 

@@ -105,13 +105,15 @@ def block_pipeline(body, steps, in_specs, *, stages: int, compute_wgs: int, comp
         max_concurrent_steps=stages, manual_consumed_barriers=True, compute_context=compute_thread)
 
 
-def kernel_call(scoped, allocations, out_type, grid, grid_names, compute_wgs: int):
+def kernel_call(scoped, allocations, out_type, grid, grid_names, compute_wgs: int, *, name: str):
     """plgpu.kernel with the family's settings (warpgroup semantics, approximate exp2 / log2: deterministic) whose
-    body is scoped(*kernel refs, *allocations), the allocations shared by all warpgroups."""
+    body is scoped(*kernel refs, *allocations), the allocations shared by all warpgroups; `name` names the CUDA
+    kernel (`<name>_mosaic_gpu_kernel` in a profile)."""
 
     def kernel(*refs):
         pl.run_scoped(functools.partial(scoped, *refs), *allocations, collective_axes="wg")
 
     return plgpu.kernel(
         kernel, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=compute_wgs + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        kernel_name=name)

@@ -83,5 +83,6 @@ def forward(q, k, v, starts, *, scale: float, stages: int, interpret: bool):
         pipeline(k_ref.at[bi, :, kvh, :], v_ref.at[bi, :, kvh, :])
 
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, t), F32))
-    call = kernel_call(scoped, allocations, out_type, (h, t // cta_rows, b), ("heads", "q_seq", "batch"), 2)
+    call = kernel_call(scoped, allocations, out_type, (h, t // cta_rows, b), ("heads", "q_seq", "batch"), 2,
+                       name="attention_fwd")
     return launch(call, q, k, v, starts, interpret=interpret)

@@ -81,5 +81,5 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
         pipeline(k_ref.at[:, :, kvh, :], v_ref.at[:, :, kvh, :])
 
     call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, r // BLOCK_Q, b),
-                       ("kv_heads", "rows", "batch"), 1)
+                       ("kv_heads", "rows", "batch"), 1, name="attention_paged")
     return launch(call, q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, interpret=interpret)

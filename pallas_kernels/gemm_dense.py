@@ -246,8 +246,11 @@ def _dense_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def launch_persistent(kernel, out_type, *args, interpret: bool):
-    """Run `kernel` on one program per SM with 3 warpgroups (1 memory + 2 compute), Warpgroup semantics."""
+def launch_persistent(kernel, out_type, *args, name: str, interpret: bool):
+    """Run `kernel` on one program per SM with 3 warpgroups (1 memory + 2 compute), Warpgroup semantics.
+
+    `name` names the CUDA kernel (`<name>_mosaic_gpu_kernel` in a profile, nsys or ncu; a functools.partial body
+    would otherwise be "anonymous"); the kernel's hash covers it, so call sites of one kernel share one name."""
     from pallas_kernels.interpret import launch
 
     call = plgpu.kernel(
@@ -257,6 +260,7 @@ def launch_persistent(kernel, out_type, *args, interpret: bool):
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
+        kernel_name=name,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     return launch(call, *args, interpret=interpret)
@@ -294,5 +298,6 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 1
     sa_t = jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
     sb_t = b_scale_operand(b_scale, n, b_rows_per_scale, cfg)
     kernel = functools.partial(_dense_kernel, cfg=cfg, row_scales=row_scales)
-    out = launch_persistent(kernel, jax.ShapeDtypeStruct((mp, n), out_dtype), a, b_q, sa_t, sb_t, interpret=interpret)
+    out = launch_persistent(kernel, jax.ShapeDtypeStruct((mp, n), out_dtype), a, b_q, sa_t, sb_t, name="gemm_dense_fp8",
+                            interpret=interpret)
     return out[:m]

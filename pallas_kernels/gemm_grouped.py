@@ -166,4 +166,5 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_
     sa_t = jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
     sb_t = b_scale_operand(b_scale, n, 128, cfg)
     kernel = functools.partial(_grouped_kernel, cfg=cfg, row_scales=uses_row_scales(cfg, 128))
-    return launch_persistent(kernel, jax.ShapeDtypeStruct((m, n), out_dtype), items, a, b_q, sa_t, sb_t, interpret=interpret)
+    return launch_persistent(kernel, jax.ShapeDtypeStruct((m, n), out_dtype), items, a, b_q, sa_t, sb_t,
+                             name="gemm_grouped_fp8", interpret=interpret)

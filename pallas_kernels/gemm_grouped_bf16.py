@@ -157,4 +157,6 @@ def grouped_matmul(x, w, group_sizes, *, layout: str = "nk", out_dtype=F32, inte
     mp = -(-m // tile) * tile
     a = jnp.pad(x, [(0, mp - m), (0, 0)]) if mp != m else x
     kernel = functools.partial(_kernel, cfg=cfg, layout=layout)
-    return launch_persistent(kernel, jax.ShapeDtypeStruct((m, o), out_dtype), items, a, w, interpret=interpret)
+    # one group: a dense product (ops.high_precision's split-BF16 form: router, lm_head, BF16 projections)
+    name = f"gemm_{'dense' if e == 1 else 'grouped'}_bf16_{layout}"
+    return launch_persistent(kernel, jax.ShapeDtypeStruct((m, o), out_dtype), items, a, w, name=name, interpret=interpret)

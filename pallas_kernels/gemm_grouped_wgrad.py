@@ -364,14 +364,14 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
     )
 
 
-def _launch(kernel, out_type, *args, interpret: bool):
+def _launch(kernel, out_type, *args, name: str, interpret: bool):
     """`launch_persistent` with an SM count also when lowering for CUDA on a machine without a GPU (tests)."""
     from pallas_kernels.interpret import INTERPRET_NUM_SMS, launch
 
     num_sms = INTERPRET_NUM_SMS if interpret else (getattr(jax.devices()[0], "core_count", None) or 132)
     call = plgpu.kernel(
         kernel, out_type=out_type, grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), kernel_name=name,
     )
     return launch(call, *args, interpret=interpret)
 
@@ -399,7 +399,7 @@ def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups:
     sb_t = jnp.asarray(xt_scale, F32).T
     kernel = functools.partial(_persistent_kernel, cfg=cfg, mask_a=mask_a)
     out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
-    return _launch(kernel, out, table, dyt_q, xt_q, sa_t, sb_t, edge, interpret=interpret)
+    return _launch(kernel, out, table, dyt_q, xt_q, sa_t, sb_t, edge, name="gemm_wgrad_fp8", interpret=interpret)
 
 
 @traced_once("num_groups", "interpret", "config")
@@ -418,7 +418,8 @@ def grouped_wgrad_fp8_gather(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_
     sb = jnp.take(jnp.asarray(xt_scale, F32), items[BLOCK], axis=1).T  # [T, K]
     kernel = functools.partial(_kernel, cfg=cfg, num_items=items.shape[1])
     out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
-    return launch_persistent(kernel, out, _ranges(items, num_groups), a, b, sa, sb, interpret=interpret)
+    return launch_persistent(kernel, out, _ranges(items, num_groups), a, b, sa, sb, name="gemm_wgrad_fp8_gather",
+                             interpret=interpret)
 
 
 def _bf16_kernel(ranges_gmem, a_gmem, b_gmem, o_gmem, *, cfg, num_items: int):
@@ -460,4 +461,4 @@ def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool =
     b = _item_major(x.astype(jnp.bfloat16).T, items, mask=False)
     kernel = functools.partial(_bf16_kernel, cfg=cfg, num_items=items.shape[1])
     out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
-    return launch_persistent(kernel, out, _ranges(items, num_groups), a, b, interpret=interpret)
+    return launch_persistent(kernel, out, _ranges(items, num_groups), a, b, name="gemm_wgrad_bf16", interpret=interpret)

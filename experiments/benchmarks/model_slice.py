@@ -23,6 +23,9 @@ SLICE_DEFAULTS = {"hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128, "
 TINY_SLICE = {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2, "head_dim": 32, "experts": 8, "top_k": 2,
               "moe_inter": 128, "vocab": 512}
 FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "experts", "top_k", "moe_inter", "vocab")
+HELP = {"layers": "decoder layers, every one MoE", "hidden": "hidden size", "heads": "query heads",
+        "kv_heads": "key / value heads", "head_dim": "head dimension", "experts": "experts per MoE layer",
+        "top_k": "experts per token", "moe_inter": "expert intermediate size", "vocab": "vocabulary size"}
 
 
 def add_model_slice_args(parser: argparse.ArgumentParser, *, layers: int, **defaults: int) -> None:
@@ -33,7 +36,8 @@ def add_model_slice_args(parser: argparse.ArgumentParser, *, layers: int, **defa
         raise TypeError(f"unknown model-slice defaults: {sorted(unknown)}")
     values = {"layers": layers, **SLICE_DEFAULTS, **defaults}
     for name in FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=values[name])
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=values[name],
+                            help=f"model slice: {HELP[name]} (default %(default)s)")
 
 
 def apply_tiny_slice(args: argparse.Namespace) -> argparse.Namespace:

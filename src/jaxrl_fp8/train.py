@@ -86,6 +86,28 @@ def _policies(c, recipe, model_cfg):
     return train, train.with_format(recipe.rollout_format)
 
 
+def trainer_settings(c, recipe, model_cfg, seq_len: int):
+    """The `rl.trainer.TrainerSettings` of config `c` (loss, sampling, minibatches, the recipe's backward mode) for a
+    model of `model_cfg` and rows of `seq_len` tokens; `run` trains with them (benchmarks build their trainer so)."""
+    import jax.numpy as jnp
+
+    from jaxrl_fp8.rl.losses import PolicyLossConfig
+    from jaxrl_fp8.rl.trainer import TrainerSettings
+
+    loss_cfg = PolicyLossConfig(eps_clip=c.rl.eps_clip, eps_clip_high=c.rl.eps_clip_high, dual_clip_c=c.rl.dual_clip_c or None,
+                                use_tis=c.rl.use_tis, tis_clip=c.rl.tis_clip, tis_clip_low=c.rl.tis_clip_low, kl_coef=c.rl.kl_coef,
+                                kl_type=c.rl.kl_type, entropy_coef=c.rl.entropy_coef, loss_agg=c.rl.loss_agg)
+    return TrainerSettings(
+        total_steps=c.total_steps, prompts_per_step=c.data.prompts_per_step, n_samples=c.rollout.n_samples, seq_len=seq_len,
+        temperature=c.rollout.temperature, top_p=c.rollout.top_p, top_k=c.rollout.top_k, max_new_tokens=c.rollout.max_new_tokens,
+        routing_replay=c.rollout.routing_replay and model_cfg.is_moe, advantage=c.rl.advantage, std_normalize=c.rl.std_normalize,
+        num_minibatches=c.rl.num_minibatches, loss=loss_cfg, backward=recipe.backward,
+        compute_dtype=jnp.bfloat16 if c.model.dtype == "bfloat16" else jnp.float32, seed=c.seed,
+        eval_every_steps=c.logging.eval_every_steps, use_ref=c.rl.kl_coef > 0,
+        ignore_eos=c.rollout.ignore_eos, logprob_chunk_rows=c.rl.logprob_chunk_rows,
+        micro_batch_rows=c.rl.micro_batch_rows, logit_chunk_tokens=c.rl.logit_chunk_tokens)
+
+
 def _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer, plan=None):
     """The rollout engine and the function that pushes new weights (version v+1) to it."""
     if c.rollout.engine == "embedded":
@@ -123,16 +145,14 @@ def run(c, on_step=None) -> str:
 
     distributed.initialize(c.distributed)  # multi-host: before any device is touched
     import jax
-    import jax.numpy as jnp
     from tqdm import tqdm
 
     from jaxrl_fp8.checkpoint import Checkpointer
     from jaxrl_fp8.data.pipeline import LoaderConfig, PromptLoader
     from jaxrl_fp8.metrics import MetricsWriter
     from jaxrl_fp8.precision import detect_hardware, get_recipe
-    from jaxrl_fp8.rl.losses import PolicyLossConfig
     from jaxrl_fp8.rl.rewards import get_reward_fn
-    from jaxrl_fp8.rl.trainer import Trainer, TrainerSettings, make_optimizer
+    from jaxrl_fp8.rl.trainer import Trainer, make_optimizer
 
     recipe = get_recipe(c.recipe, **({} if c.emulate is None else {"emulate": c.emulate}))
     hardware = detect_hardware() if c.hardware == "auto" else c.hardware
@@ -162,18 +182,7 @@ def run(c, on_step=None) -> str:
         plan = ShardingPlan(make_mesh(c.mesh))
         plan.validate(nnx.state(model, nnx.Param), train_policy)  # no FP8 block split across devices
     engine, push = _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer, plan)
-    loss_cfg = PolicyLossConfig(eps_clip=c.rl.eps_clip, eps_clip_high=c.rl.eps_clip_high, dual_clip_c=c.rl.dual_clip_c or None,
-                                use_tis=c.rl.use_tis, tis_clip=c.rl.tis_clip, tis_clip_low=c.rl.tis_clip_low, kl_coef=c.rl.kl_coef,
-                                kl_type=c.rl.kl_type, entropy_coef=c.rl.entropy_coef, loss_agg=c.rl.loss_agg)
-    settings = TrainerSettings(
-        total_steps=c.total_steps, prompts_per_step=c.data.prompts_per_step, n_samples=c.rollout.n_samples, seq_len=seq_len,
-        temperature=c.rollout.temperature, top_p=c.rollout.top_p, top_k=c.rollout.top_k, max_new_tokens=c.rollout.max_new_tokens,
-        routing_replay=c.rollout.routing_replay and model.cfg.is_moe, advantage=c.rl.advantage, std_normalize=c.rl.std_normalize,
-        num_minibatches=c.rl.num_minibatches, loss=loss_cfg, backward=recipe.backward,
-        compute_dtype=jnp.bfloat16 if c.model.dtype == "bfloat16" else jnp.float32, seed=c.seed,
-        eval_every_steps=c.logging.eval_every_steps, use_ref=c.rl.kl_coef > 0,
-        ignore_eos=c.rollout.ignore_eos, logprob_chunk_rows=c.rl.logprob_chunk_rows,
-        micro_batch_rows=c.rl.micro_batch_rows, logit_chunk_tokens=c.rl.logit_chunk_tokens)
+    settings = trainer_settings(c, recipe, model.cfg, seq_len)
     optimizer, schedule = make_optimizer(c.rl, c.total_steps * c.rl.num_minibatches)
     trainer = Trainer(model=model, settings=settings, optimizer=optimizer, schedule=schedule, engine=engine,
                       tokenizer=tokenizer, loader=loader, reward_fn=reward_fn, train_policy=train_policy,
