@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -32,7 +31,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_slice import add_model_slice_args, apply_tiny_slice, model_config_from_args  # noqa: E402
+from model_slice import add_model_slice_args, apply_tiny_slice, model_config_from_args, slice_fields  # noqa: E402
+from timing import write_results  # noqa: E402
 
 HBM_SPEC_BPS = 4.8e12  # H200 datasheet
 
@@ -195,9 +195,7 @@ def main(argv=None) -> int:
             "device": {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count()},
             "software": {"jax": jax.__version__, "python": platform.python_version()},
             "tiny": args.tiny,
-            "model": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                   "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
-                                                   "num_experts_per_tok", "attention_impl")},
+            "model": slice_fields(cfg),
             "params": counts,
             "prompt_len": args.prompt_len,
             "gen_len": args.gen_len,
@@ -214,11 +212,7 @@ def main(argv=None) -> int:
             "complete": complete,
             "results": results,
         }
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=2)
-        os.replace(tmp, path)
+        write_results(path, out)
 
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(0)

@@ -61,3 +61,12 @@ def model_config_from_args(args: argparse.Namespace, *, max_position_embeddings:
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+RECORDED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                   "head_dim", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "attention_impl")
+
+
+def slice_fields(cfg) -> dict:
+    """The ModelConfig fields a result JSON records for the slice it ran."""
+    return {k: getattr(cfg, k) for k in RECORDED_FIELDS}

@@ -32,12 +32,9 @@ copy-bandwidth roofline at 256 active rows; FP8 >= 1.3x BF16 tokens/s (continuou
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import sys
 import time
 
@@ -47,7 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import decode as decode_bench  # noqa: E402  (copy bandwidth, bytes per step, experts touched)
-from model_slice import add_model_slice_args, apply_tiny_slice, model_config_from_args  # noqa: E402
+from model_slice import add_model_slice_args, apply_tiny_slice, model_config_from_args, slice_fields  # noqa: E402
+from timing import run_header, write_results  # noqa: E402
 
 TARGETS = {"continuous_over_static": 3.0, "roofline_fraction_at_slots": 0.5, "fp8_over_bf16": 1.3}
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -217,10 +215,15 @@ def key_of(point: dict) -> tuple[str, str]:
     return point["recipe"], mode_of(point)
 
 
-def compare(results: list[dict], steps: list[dict], bitwise_equal: dict) -> dict:
+# comparison entries recorded while the points run (continuous vs static samples, per recipe), not recomputed,
+# with the mode of the points they compare
+RECORDED = {"bitwise_equal": "bitwise", "fast_mode_schedulers_equal": "fast"}
+
+
+def compare(results: list[dict], steps: list[dict], recorded: dict) -> dict:
     """The targets' ratios over every recipe's points (steady tokens/s: what an RL run sees after its first step;
     end to end beside it), met or missed."""
-    comparison: dict = {"bitwise_equal": dict(bitwise_equal)} if bitwise_equal else {}
+    comparison: dict = {k: dict(recorded[k]) for k in RECORDED if recorded.get(k)}
 
     def point(recipe, scheduler, mode="bitwise"):
         return next((p for p in results if p["recipe"] == recipe and p["scheduler"] == scheduler
@@ -269,20 +272,18 @@ def merge(paths: list[str], out: str) -> dict:
                 raise SystemExit(f"--merge: {path} has another {key} than {paths[0]}")
         if same_model(doc) != same_model(first):
             raise SystemExit(f"--merge: {path} has another model than {paths[0]}")
-    results, steps, bitwise = [], [], {}
+    results, steps, recorded = [], [], {}
     for doc in docs:
         keys = {key_of(p) for p in doc["results"]} | {key_of(p) for p in doc["decode_step"]}
         results = [p for p in results if key_of(p) not in keys] + doc["results"]
         steps = [p for p in steps if key_of(p) not in keys] + doc["decode_step"]
-        bitwise.update(doc.get("comparison", {}).get("bitwise_equal", {}))
+        for k in RECORDED:
+            recorded.setdefault(k, {}).update(doc.get("comparison", {}).get(k, {}))
     bitwise_docs = [d for d in docs if d.get("mode", "bitwise") == "bitwise"] or docs
     merged = dict(bitwise_docs[-1], results=results, decode_step=steps, complete=all(d.get("complete") for d in docs),
-                  comparison=compare(results, steps, bitwise),
+                  comparison=compare(results, steps, recorded),
                   merged_from=[{"command": d["command"], "date": d["date"], "bandwidth": d["bandwidth"]} for d in docs])
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(merged, f, indent=2)
-    os.replace(tmp, out)
+    write_results(out, merged)
     return merged
 
 
@@ -342,22 +343,17 @@ def main(argv=None) -> int:
         mine = {(r, args.mode) for r in recipes}
         results += [p for p in prior["results"] if key_of(p) not in mine]
         steps += [p for p in prior["decode_step"] if key_of(p) not in mine]
-        kept = {p["recipe"] for p in results if mode_of(p) == "bitwise"}
-        comparison["bitwise_equal"] = {k: v for k, v in prior.get("comparison", {}).get("bitwise_equal", {}).items() if k in kept}
+        for name, mode in RECORDED.items():
+            kept = {p["recipe"] for p in results if mode_of(p) == mode}
+            comparison[name] = {k: v for k, v in prior.get("comparison", {}).get(name, {}).items() if k in kept}
 
     def write(complete: bool):
         out = {
             "benchmark": "embedded engine RL rollout workload: continuous batching vs static chunks (issue 22)",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python experiments/benchmarks/rollout_workload.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "device": {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count()},
-            "versions": {"python": platform.python_version(), "jax": jax.__version__,
-                         "jaxlib": importlib.metadata.version("jaxlib"), "flax": importlib.metadata.version("flax")},
+            **run_header("rollout_workload.py", argv),
             "tiny": args.tiny,
             "mode": args.mode,
-            "model": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                   "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
-                                                   "num_experts_per_tok", "attention_impl")},
+            "model": slice_fields(cfg),
             "params": counts,
             "workload": {
                 "prompts": args.prompts, "samples_per_prompt": args.samples, "rows": len(prompts),
@@ -387,11 +383,7 @@ def main(argv=None) -> int:
             "decode_step": steps,
             "comparison": comparison,
         }
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=2)
-        os.replace(tmp, path)
+        write_results(path, out)
 
     schedulers = args.schedulers.split(",")
     for recipe_name in recipes:
@@ -436,10 +428,7 @@ def main(argv=None) -> int:
               flush=True)
         write(False)
 
-    fast_equal = comparison.get("fast_mode_schedulers_equal")
-    comparison = compare(results, steps, comparison.get("bitwise_equal", {}))
-    if fast_equal:
-        comparison["fast_mode_schedulers_equal"] = fast_equal
+    comparison = compare(results, steps, comparison)
     write(True)
 
     print("\n| recipe | scheduler | wall s | compile s | tok/s | steady tok/s | decode steps | mean active |")

@@ -53,12 +53,9 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime
 import glob
-import importlib.metadata
 import math
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -73,8 +70,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from model_slice import add_model_slice_args, apply_tiny_slice, model_config_from_args  # noqa: E402
-from timing import write_results  # noqa: E402
+from model_slice import add_model_slice_args, apply_tiny_slice, model_config_from_args, slice_fields  # noqa: E402
+from timing import run_header, write_results  # noqa: E402
 
 PROGRAMS = ("decode", "update")
 DECODE_MODULE = "decode_slots"  # programs.decode_slots: its XLA module is jit_decode_slots
@@ -699,17 +696,11 @@ def main(argv=None) -> int:
     def write(complete: bool):
         write_results(path, {
             "benchmark": "step_profile: per-kernel time of one decode step and one train update (jax.profiler)",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python experiments/benchmarks/step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "device": {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count()},
-            "versions": {"python": platform.python_version(), "jax": jax.__version__,
-                         "jaxlib": importlib.metadata.version("jaxlib"), "flax": importlib.metadata.version("flax")},
+            **run_header("step_profile.py", argv),
             "tiny": args.tiny,
             "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "JAXRL_FP8_HIGH_PRECISION")},
             "high_precision_form": effective_form(),
-            "model": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                   "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
-                                                   "num_experts_per_tok", "attention_impl")},
+            "model": slice_fields(cfg),
             "shapes": {"decode": {"slots": args.slots, "prompt_len": args.prompt_len, "step_new": args.step_new,
                                   "max_len": args.max_len, "kv_pages": args.kv_pages, "refill_every": max(args.step_new, args.refill_every),
                                   "static_shapes": args.static_shapes, "scheduler": "continuous"},

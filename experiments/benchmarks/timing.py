@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
 import json
 import os
+import platform
 import statistics
+import sys
 import tempfile
 import time
 
@@ -50,3 +54,14 @@ def write_results(path: str, obj) -> None:
     with os.fdopen(fd, "w") as fh:
         json.dump(obj, fh, indent=1)
     os.replace(tmp, path)
+
+
+def run_header(script: str, argv=None) -> dict:
+    """What every result JSON opens with: date (UTC), the command that made it, the device and the versions."""
+    dev = jax.devices()[0]
+    args = argv if argv is not None else sys.argv[1:]
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": f"python experiments/benchmarks/{script} " + " ".join(args),
+            "device": {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count()},
+            "versions": {"python": platform.python_version(), "jax": jax.__version__,
+                         "jaxlib": importlib.metadata.version("jaxlib"), "flax": importlib.metadata.version("flax")}}
