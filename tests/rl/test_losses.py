@@ -10,6 +10,7 @@ import pytest
 from jaxrl_fp8.rl.losses import (
     PolicyLossConfig,
     aggregate,
+    combine_micro_metrics,
     approx_kl,
     entropy_from_logits,
     policy_loss,
@@ -216,3 +217,13 @@ def test_policy_loss_jits():
     f = jax.jit(lambda *a: policy_loss(*a, cfg, rollout_logp=logp - 0.1))
     loss, _ = f(*args)
     np.testing.assert_allclose(loss, policy_loss(*args, cfg, rollout_logp=logp - 0.1)[0], rtol=1e-6)
+
+
+def test_combine_micro_metrics_sums_losses_and_weights_means_by_tokens():
+    per_micro = {"loss": jnp.array([0.5, 0.25]), "pg_loss": jnp.array([0.1, 0.2]), "kl_loss": jnp.array([1.0, 2.0]),
+                 "entropy": jnp.array([1.0, 4.0]), "tis": jnp.array([2.0, 0.0])}
+    out = combine_micro_metrics(per_micro, jnp.array([3.0, 1.0]))
+    np.testing.assert_allclose([out["loss"], out["pg_loss"], out["kl_loss"]], [0.75, 0.3, 3.0], rtol=1e-6)
+    np.testing.assert_allclose([out["entropy"], out["tis"]], [(3 + 4) / 4, 6 / 4], rtol=1e-6)
+    empty = combine_micro_metrics({"entropy": jnp.array([0.0, 0.0])}, jnp.array([0.0, 0.0]))
+    assert float(empty["entropy"]) == 0.0

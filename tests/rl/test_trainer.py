@@ -14,7 +14,7 @@ from flax import nnx
 from jaxrl_fp8.model import Qwen3, tiny_config
 from jaxrl_fp8.precision import PrecisionPolicy
 from jaxrl_fp8.rl.losses import PolicyLossConfig
-from jaxrl_fp8.rl.trainer import Trainer, TrainerSettings, combine_micro_metrics
+from jaxrl_fp8.rl.trainer import Trainer, TrainerSettings
 
 T, ROWS = 10, 8
 
@@ -107,16 +107,6 @@ def test_micro_batch_rows_must_divide_the_minibatch():
     mb = {k: jnp.asarray(v) for k, v in _minibatch(t.cfg).items()}
     with pytest.raises(ValueError, match="micro_batch_rows=3"):
         t._grads(t.params, mb, jnp.float32(1.0))
-
-
-def test_combine_micro_metrics_sums_losses_and_weights_means_by_tokens():
-    per_micro = {"loss": jnp.array([0.5, 0.25]), "pg_loss": jnp.array([0.1, 0.2]), "kl_loss": jnp.array([1.0, 2.0]),
-                 "entropy": jnp.array([1.0, 4.0]), "tis": jnp.array([2.0, 0.0])}
-    out = combine_micro_metrics(per_micro, jnp.array([3.0, 1.0]))
-    np.testing.assert_allclose([out["loss"], out["pg_loss"], out["kl_loss"]], [0.75, 0.3, 3.0], rtol=1e-6)
-    np.testing.assert_allclose([out["entropy"], out["tis"]], [(3 + 4) / 4, 6 / 4], rtol=1e-6)
-    empty = combine_micro_metrics({"entropy": jnp.array([0.0, 0.0])}, jnp.array([0.0, 0.0]))
-    assert float(empty["entropy"]) == 0.0
 
 
 def test_reference_survives_the_donating_update_on_a_mesh():

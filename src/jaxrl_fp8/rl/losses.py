@@ -268,3 +268,16 @@ def policy_loss(
     metrics["loss"] = loss
     metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
     return loss, metrics
+
+
+# policy_loss metrics aggregated with the caller's denominators (num_tokens / num_sequences): a batch's value is the
+# sum of its micro-batches'; every other metric is a masked token mean
+SUMMED_METRICS = frozenset({"loss", "pg_loss", "kl_loss"})
+
+
+def combine_micro_metrics(per_micro: dict, counts: jax.Array) -> dict:
+    """A minibatch's `policy_loss` metrics from its micro-batches' (`[n]` each): loss terms summed, masked token means
+    weighted by each micro-batch's valid-token count (what the unsplit minibatch reports, up to float32 summation
+    order)."""
+    total = jnp.maximum(jnp.sum(counts), 1.0)
+    return {k: jnp.sum(v) if k in SUMMED_METRICS else jnp.sum(v * counts) / total for k, v in per_micro.items()}

@@ -25,7 +25,7 @@ from flax import nnx
 from jaxrl_fp8 import distributed
 from jaxrl_fp8.rl import advantages as adv_lib
 from jaxrl_fp8.rl.batch import TrainBatch, build_batch
-from jaxrl_fp8.rl.losses import PolicyLossConfig, entropy_from_logits, policy_loss
+from jaxrl_fp8.rl.losses import PolicyLossConfig, combine_micro_metrics, entropy_from_logits, policy_loss
 from jaxrl_fp8.rl.mismatch import mismatch_metrics
 from jaxrl_fp8.rl.rewards import compute_rewards
 from jaxrl_fp8.rl.token_stats import chunked_token_stats
@@ -87,17 +87,6 @@ def make_optimizer(rl_cfg, total_updates: int) -> tuple[optax.GradientTransforma
     chain = [optax.clip_by_global_norm(rl_cfg.grad_clip)] if rl_cfg.grad_clip > 0 else []
     chain.append(optax.adamw(schedule, b1=rl_cfg.adam_b1, b2=rl_cfg.adam_b2, eps=rl_cfg.adam_eps, weight_decay=rl_cfg.weight_decay))
     return optax.chain(*chain), schedule
-
-
-# policy_loss metrics aggregated with the minibatch's denominators: a minibatch's value is the sum of its micro-batches'
-SUMMED_METRICS = frozenset({"loss", "pg_loss", "kl_loss"})
-
-
-def combine_micro_metrics(per_micro: dict, counts: jax.Array) -> dict:
-    """A minibatch's metrics from its micro-batches' (`[n]` each): loss terms summed, masked token means weighted by
-    each micro-batch's valid-token count (what the unsplit minibatch reports, up to float32 summation order)."""
-    total = jnp.maximum(jnp.sum(counts), 1.0)
-    return {k: jnp.sum(v) if k in SUMMED_METRICS else jnp.sum(v * counts) / total for k, v in per_micro.items()}
 
 
 class Trainer:
