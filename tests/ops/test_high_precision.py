@@ -2,8 +2,8 @@
 
 It exists to be row invariant on the GPU (the XLA form is a cuBLAS call there); on CPU the same kernel runs
 interpreted, so here: its error against float64 stays inside the split's bound, a row alone equals the row in a
-batch bit for bit, BF16 operands take the exact one-product path, the gradient is the float32 product's, and a
-bad setting of the switch names the variable."""
+batch bit for bit, BF16 operands take the exact one-product path, the gradient splits the same way (within the
+bound), and a bad setting of the switch names the variable."""
 
 import numpy as np
 import pytest
@@ -77,17 +77,41 @@ def test_bf16_operands_take_one_exact_product():
     assert np.all(np.abs(np.asarray(hi, np.float64) + np.asarray(lo, np.float64) - x) <= 2.0 ** -16 * np.abs(x))
 
 
-def test_gradient_is_the_float32_products():
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+def test_gradient_is_the_split_products_within_the_bound(w_dtype):
+    """The backward splits like the forward (BF16 tensor-core products, not a float32 SIMT dot on a GPU): both
+    gradients stay inside the split's bound against float64, and no product in it has a float32 operand."""
     x, w = _operands(12, 128, 64, seed=3)
-    g = np.random.default_rng(4).standard_normal((12, 128)).astype(np.float32)
+    w = np.asarray(jnp.asarray(w, w_dtype).astype(jnp.float32))  # a BF16 weight's values, exactly
+    g = (np.random.default_rng(4).standard_normal((12, 128)) * np.exp(np.random.default_rng(5).uniform(-4, 4, (12, 1))))
+    g = g.astype(np.float32)
 
-    def loss(form):
-        return lambda a, b: jnp.sum(H.high_precision_dot(a, b, form) * g)
+    def loss(a, b):
+        return jnp.sum(H.high_precision_dot(a, b, FORM) * g)
 
-    dx, dw = jax.grad(loss(FORM), argnums=(0, 1))(x, w)
-    dx0, dw0 = jax.grad(lambda a, b: jnp.sum(dot_nt_f32(a, b) * g), argnums=(0, 1))(x, w)
-    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx0))
-    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw0))
+    wj = jnp.asarray(w, w_dtype)
+    dx, dw = jax.grad(loss, argnums=(0, 1))(jnp.asarray(x), wj)
+    g64, x64, w64 = g.astype(np.float64), x.astype(np.float64), w.astype(np.float64)
+    dx_bound = 2.0 ** -15 * (np.abs(g64) @ np.abs(w64)) + 1e-30
+    assert np.all(np.abs(np.asarray(dx, np.float64) - g64 @ w64) <= dx_bound)
+    dw_ref, dw_abs = g64.T @ x64, np.abs(g64).T @ np.abs(x64)
+    # a BF16 weight's gradient is rounded to BF16 once (2^-9), on top of the split's error
+    rounding = 2.0 ** -8 if w_dtype == jnp.bfloat16 else 0.0
+    assert np.all(np.abs(np.asarray(dw, np.float64) - dw_ref) <= 2.0 ** -15 * dw_abs + rounding * np.abs(dw_ref) + 1e-30)
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(jnp.asarray(x), wj).as_text()
+    operand_types = [line.rsplit(": (", 1)[1].split(") ->")[0] for line in hlo.splitlines() if "dot_general" in line]
+    assert len(operand_types) == (2 + 3 if w_dtype == jnp.bfloat16 else 3 + 3), operand_types  # dx + dw
+    assert all(t.count("xbf16>") == 2 for t in operand_types), operand_types
+
+
+def test_split_dot_general_matches_the_float32_product_within_the_bound():
+    rng = np.random.default_rng(9)
+    a = (rng.standard_normal((33, 70)) * 1e3).astype(np.float32)
+    b = rng.standard_normal((33, 50)).astype(np.float32)
+    y = np.asarray(H.split_dot_general(jnp.asarray(a), jnp.asarray(b), (((0,), (0,)), ((), ()))), np.float64)
+    ref = a.astype(np.float64).T @ b.astype(np.float64)
+    assert y.shape == (70, 50)
+    assert np.all(np.abs(y - ref) <= 2.0 ** -15 * (np.abs(a).astype(np.float64).T @ np.abs(b)) + 1e-30)
 
 
 def test_form_switch(monkeypatch):
