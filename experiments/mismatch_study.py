@@ -6,7 +6,7 @@ For every model size of a Qwen3-MoE sweep and every recipe, on one fixed set of 
 1. roll out with the embedded engine under the recipe's ROLLOUT format (`EmbeddedEngine.generate`, routed
    experts returned);
 2. recompute the log-probs of the sampled tokens as the trainer does (`rl.batch.build_batch` layout, the
-   model's full forward under the recipe's TRAINING `PrecisionPolicy`, `rl.trainer.token_logprobs`), once
+   model's full forward under the recipe's TRAINING `PrecisionPolicy`, `rollout.sampling.token_logprobs`), once
    replaying the rollout's expert selection (R3) and once with the trainer's own routing;
 3. score the two with `rl.mismatch.mismatch_metrics` (mean |Δlogp|, K3 KL, TIS clip fraction, max |Δ|) and
    count how often the trainer's own routing picks other experts than the rollout did.
@@ -316,7 +316,7 @@ def recompute(model, recipe, tokens: np.ndarray, routed: np.ndarray, settings: S
 
     from jaxrl_fp8.model import Policy
     from jaxrl_fp8.rl.losses import entropy_from_logits
-    from jaxrl_fp8.rl.trainer import token_logprobs
+    from jaxrl_fp8.rollout.sampling import token_logprobs
 
     out = Policy(model, recipe=recipe).forward(tokens, routed_experts=routed, precision="train")
     logits = out.logits[:, :-1]

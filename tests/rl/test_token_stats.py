@@ -9,7 +9,7 @@ import pytest
 
 from jaxrl_fp8.model.matmul import high_precision_linear
 from jaxrl_fp8.rl.losses import entropy_from_logits
-from jaxrl_fp8.rl.token_stats import chunked_token_stats
+from jaxrl_fp8.rl.token_stats import chunked_token_stats, token_stats
 from jaxrl_fp8.rollout.sampling import tempered_logits, token_logprobs
 
 B, T, H, V = 3, 7, 32, 97
@@ -93,3 +93,60 @@ def test_bf16_head_gradient_is_summed_over_chunks_in_float32():
     # float32 sums of the same terms in another order: within one BF16 ulp
     ulp = jnp.abs(expected) * 2.0**-7 + 1e-30
     assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - expected) / ulp)) <= 1.0
+
+
+def _reference_stats(logits, targets, temperature):
+    return token_logprobs(logits, targets, temperature), entropy_from_logits(tempered_logits(logits, temperature))
+
+
+@pytest.mark.parametrize("backward", ["numerics", "xla"])  # the CPU's row-invariant log-softmax, the GPU's XLA one
+@pytest.mark.parametrize("temperature", [1.0, 0.6, "rows"])
+def test_token_stats_keep_the_forward_bits_and_differentiate_in_closed_form(temperature, backward, monkeypatch):
+    """token_stats: the rollout's log-prob bits and the entropy's, and the gradient autodiff gives (closed form)."""
+    import functools
+
+    from jaxrl_fp8.model import numerics
+    from jaxrl_fp8.rl import token_stats as TS
+
+    chosen = numerics.log_softmax if backward == "numerics" else functools.partial(jax.nn.log_softmax, axis=-1)
+    monkeypatch.setattr(TS, "_backward_log_softmax", lambda: chosen)
+    k = jax.random.split(jax.random.key(11), 3)
+    logits = 4.0 * jax.random.normal(k[0], (B, T, V))
+    targets = jax.random.randint(k[1], (B, T), 0, V)
+    if temperature == "rows":  # per-position temperatures, one greedy (0: measured at 1)
+        temperature = jnp.asarray(np.r_[0.0, np.linspace(0.5, 1.5, B * T - 1)].reshape(B, T), jnp.float32)
+    w_lp, w_ent = jax.random.normal(k[2], (2, B, T))
+    logp, ent = jax.jit(lambda lg: token_stats(lg, targets, temperature))(logits)
+    ref_logp, ref_ent = jax.jit(lambda lg: _reference_stats(lg, targets, temperature))(logits)
+    np.testing.assert_array_equal(np.asarray(logp), np.asarray(ref_logp))
+    np.testing.assert_array_equal(np.asarray(ent), np.asarray(ref_ent))
+
+    def loss(fn):
+        return lambda lg: jnp.sum(w_lp * fn(lg)[0]) + jnp.sum(w_ent * fn(lg)[1])
+
+    got = jax.jit(jax.grad(loss(lambda lg: token_stats(lg, targets, temperature))))(logits)
+    ref = jax.jit(jax.grad(loss(lambda lg: _reference_stats(lg, targets, temperature))))(logits)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=2e-6 * float(jnp.max(jnp.abs(ref))))
+    # without the entropy: log-probs only, the same bits, the log-prob part of the gradient
+    lp_only, none = token_stats(logits, targets, temperature, with_entropy=False)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(lp_only), np.asarray(ref_logp))
+    g_lp = jax.grad(lambda lg: jnp.sum(w_lp * token_stats(lg, targets, temperature, False)[0]))(logits)
+    g_lp_ref = jax.grad(lambda lg: jnp.sum(w_lp * _reference_stats(lg, targets, temperature)[0]))(logits)
+    np.testing.assert_allclose(np.asarray(g_lp), np.asarray(g_lp_ref), rtol=1e-5, atol=2e-6 * float(jnp.max(jnp.abs(g_lp_ref))))
+
+
+def test_token_stats_backward_has_no_pairwise_tree_or_scatter():
+    """The point of the closed form: the backward neither differentiates the vocabulary-wide pairwise tree (pads of
+    every level) nor scatters a one-hot; autodiff of the same forward does both."""
+    logits = jax.ShapeDtypeStruct((4, 1000), jnp.float32)
+    targets = jnp.zeros((4,), jnp.int32)
+
+    def hlo(fn):
+        g = jax.jit(jax.grad(lambda lg: jnp.sum(fn(lg)[0]) + jnp.sum(fn(lg)[1])))
+        return g.lower(logits).as_text()
+
+    ours = hlo(lambda lg: token_stats(lg, targets, 1.0))
+    autodiff = hlo(lambda lg: _reference_stats(lg, targets, 1.0))
+    assert "scatter" in autodiff and "scatter" not in ours
+    assert ours.count("stablehlo.pad") < autodiff.count("stablehlo.pad")

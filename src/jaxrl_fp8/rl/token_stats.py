@@ -1,24 +1,79 @@
-"""Per-token log-probs and entropies from the model's final hidden states, the head applied in chunks of positions.
+"""Per-token log-probs and entropies of the trainer's loss, with a closed-form backward, and the head applied in
+chunks of positions.
 
-The trainer's loss needs log_softmax(logits / T)[token] and the entropy at every position. Computed at once they
-hold [B, T, V] float32 logits and what log-softmax, softmax and their gradients make of them: ~24 B x V a token,
-3.6 MB at Qwen3's V = 151936, most of an update's activation memory. Here the head, the log-softmax and the
-entropy run over `chunk` positions at a time inside a `lax.map`, each chunk rematerialised in the backward
-(`jax.checkpoint`), so one chunk's logits are live at a time. Every position goes through the same ops as in
-`token_logprobs` / `entropy_from_logits` (row-invariant head product and reductions), so the values are the
-unchunked ones, bit for bit where the head's product is row invariant (the GPU kernels; XLA:CPU on most hosts).
+The trainer's loss needs log_softmax(logits / T)[token] and the entropy at every position. `token_stats` computes
+them with the rollout's own functions (`token_logprobs`: the row-invariant pairwise sum the decode step uses, so the
+trainer's log-probs keep the rollout's bits) and differentiates them in closed form: d/dz of log p[token] is
+onehot - p, of the entropy -p (log p + H). Autodiff of the same forward would differentiate the pairwise tree (a
+tree of pads and adds over the vocabulary padded to 2^18), scatter a one-hot and, under remat, rebuild the tree:
+on the H200 that was ~11 ms of elementwise work per 2,048 positions at Qwen3's V = 151936 (step_profile, the
+accumulated update). The backward needs no row invariance (it enters no rollout / trainer comparison).
+
+Computed at once the stats hold [B, T, V] float32 logits and what softmax and its gradient make of them: ~24 B x V a
+token, 3.6 MB at V = 151936, most of an update's activation memory. `chunked_token_stats` runs the head and the
+stats over `chunk` positions at a time inside a `lax.map`, each chunk rematerialised in the backward
+(`jax.checkpoint`), so one chunk's logits are live at a time. Every position goes through the same ops as at once,
+so the values are the unchunked ones, bit for bit where the head's product is row invariant (the GPU kernels;
+XLA:CPU on most hosts).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from jaxrl_fp8.model import numerics
 from jaxrl_fp8.model.matmul import high_precision_linear
 from jaxrl_fp8.rl.losses import entropy_from_logits
-from jaxrl_fp8.rollout.sampling import tempered_logits, token_logprobs
+from jaxrl_fp8.rollout.sampling import effective_temperature, tempered_logits, token_logprobs
 
 F32 = jnp.float32
+
+
+def token_stats(logits: jax.Array, targets: jax.Array, temperature, with_entropy: bool = True):
+    """(log-probs, entropies or None), float32 `[...]`, of `targets` `[...]` under `logits` `[..., V]` at
+    `temperature` (a scalar or `[...]`; 0 = greedy, measured at 1): `token_logprobs` and `entropy_from_logits` of the
+    tempered logits, bit for bit, differentiable in `logits` only (closed-form backward, see module doc)."""
+    return _token_stats(bool(with_entropy), logits, targets, temperature)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _token_stats(with_entropy, logits, targets, temperature):
+    return _token_stats_fwd(with_entropy, logits, targets, temperature)[0]
+
+
+def _token_stats_fwd(with_entropy, logits, targets, temperature):
+    logp = token_logprobs(logits, targets, temperature)
+    ent = entropy_from_logits(tempered_logits(logits, temperature)) if with_entropy else None
+    return (logp, ent), (logits, targets, temperature, ent)
+
+
+def _backward_log_softmax():
+    """The log-softmax of the backward. On CPU the row-invariant one (`numerics`: XLA:CPU's reductions change bits
+    with the batch shape, and a micro-batched gradient should equal the whole minibatch's up to float32 order, not
+    up to BF16 roundings flipped downstream). Elsewhere XLA's own (one pass; the GPU's pairwise tree costs ~4x as
+    much at V = 151936): the backward needs no row invariance."""
+    return numerics.log_softmax if jax.default_backend() == "cpu" else functools.partial(jax.nn.log_softmax, axis=-1)
+
+
+def _token_stats_bwd(with_entropy, res, cts):
+    logits, targets, temperature, ent = res
+    g_logp, g_ent = cts
+    z = tempered_logits(logits, temperature)
+    logp_all = _backward_log_softmax()(z)
+    p = jnp.exp(logp_all)
+    onehot = jnp.arange(z.shape[-1], dtype=jnp.int32) == jnp.asarray(targets, jnp.int32)[..., None]
+    dz = g_logp[..., None] * (onehot.astype(F32) - p)
+    if with_entropy:
+        dz = dz - g_ent[..., None] * p * (logp_all + ent[..., None])
+    t = jnp.asarray(effective_temperature(temperature))
+    dlogits = dz / t[..., None] if t.ndim else dz / t
+    return dlogits.astype(logits.dtype), None, None
+
+
+_token_stats.defvjp(_token_stats_fwd, _token_stats_bwd)
 
 
 def chunked_token_stats(hidden: jax.Array, head: jax.Array, targets: jax.Array, temperature, chunk: int, *,
@@ -45,8 +100,8 @@ def chunked_token_stats(hidden: jax.Array, head: jax.Array, targets: jax.Array, 
     def one(args):
         hc, tc = args
         logits = high_precision_linear(hc, head_f32.astype(head_dtype), F32)
-        logp = token_logprobs(logits, tc, temperature)
-        return (logp, entropy_from_logits(tempered_logits(logits, temperature))) if with_entropy else (logp,)
+        logp, ent = token_stats(logits, tc, temperature, with_entropy)
+        return (logp, ent) if with_entropy else (logp,)
 
     out = jax.lax.map(one, (flat_h.reshape(chunks, chunk, h), flat_t.reshape(chunks, chunk)))
     unflat = lambda x: x.reshape(-1)[:n].reshape(b, t)  # noqa: E731

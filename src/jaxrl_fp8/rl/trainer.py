@@ -25,12 +25,11 @@ from flax import nnx
 from jaxrl_fp8 import distributed
 from jaxrl_fp8.rl import advantages as adv_lib
 from jaxrl_fp8.rl.batch import TrainBatch, build_batch
-from jaxrl_fp8.rl.losses import PolicyLossConfig, combine_micro_metrics, entropy_from_logits, policy_loss
+from jaxrl_fp8.rl.losses import PolicyLossConfig, combine_micro_metrics, policy_loss
 from jaxrl_fp8.rl.mismatch import mismatch_metrics
 from jaxrl_fp8.rl.rewards import compute_rewards
-from jaxrl_fp8.rl.token_stats import chunked_token_stats
+from jaxrl_fp8.rl.token_stats import chunked_token_stats, token_stats
 # The rollout's log-prob convention (log_softmax(logits / T), row invariant): one definition for sampler and learner.
-from jaxrl_fp8.rollout.sampling import tempered_logits, token_logprobs
 from jaxrl_fp8.rollout.types import SamplingParams
 
 __all__ = ["TrainerSettings", "Trainer", "make_optimizer"]
@@ -154,9 +153,7 @@ class Trainer:
             hidden = out.hidden[:, :-1]
             return chunked_token_stats(hidden, model.head_weight(hidden.dtype), tokens[:, 1:], temp, chunk,
                                        with_entropy=with_entropy)
-        logits = out.logits[:, :-1]
-        ent = entropy_from_logits(tempered_logits(logits, temp)) if with_entropy else None
-        return token_logprobs(logits, tokens[:, 1:], temp), ent
+        return token_stats(out.logits[:, :-1], tokens[:, 1:], temp, with_entropy)
 
     def _logprobs(self, params, tokens, routed):
         return self._forward_stats(params, tokens, routed, with_entropy=False)[0]
