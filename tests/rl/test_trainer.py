@@ -129,3 +129,23 @@ def test_reference_survives_the_donating_update_on_a_mesh():
     t.params, t.opt_state, _ = t.apply_update(mb, jnp.float32(mb["mask"].sum()))
     after = [np.asarray(x) for x in jax.tree.leaves(t.ref_params)]  # on a GPU: raises if they were donated
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_masters_are_cast_once_outside_the_micro_batch_loop():
+    """With micro-batches the cast of the FP32 masters to the compute dtype happens once per update, before the
+    scan: XLA does not hoist it out of the loop by itself (on the H200 every micro-batch re-cast every expert weight).
+    So the loop closes over the BF16 compute parameters and never over a float32 master."""
+    t = _trainer(2, LOSSES["token_mean_tis"])
+    t.s = dataclasses.replace(t.s, compute_dtype=jnp.bfloat16)
+    mb = {k: jnp.asarray(v) for k, v in _minibatch(t.cfg).items()}
+    closed = jax.make_jaxpr(t._grads)(t.params, mb, jnp.float32(mb["mask"].sum()))
+    (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    masters = [leaf for leaf in jax.tree.leaves(t.params) if leaf.ndim >= 2]
+    shapes = {m.shape for m in masters}
+    operands = [v.aval for v in scan.invars if v.aval.shape in shapes]
+    # float32 operands of the masters' shapes: only the gradient accumulator (one per master), no master itself
+    assert sum(a.dtype == jnp.float32 for a in operands) == len(masters), [(a.shape, a.dtype) for a in operands]
+    assert sum(a.dtype == jnp.bfloat16 for a in operands) >= len(masters)
+    # the gradient comes back to the masters in float32
+    _, _, grads = jax.jit(t._grads)(t.params, mb, jnp.float32(mb["mask"].sum()))
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))

@@ -127,6 +127,7 @@ class Trainer:
         self.skipped_updates = 0
         self._push = push_weights
         self._version_prefix = rollout_version_prefix
+        self._cast_jit = jax.jit(self._cast)
         self._logprob_jit = jax.jit(self._logprobs)
         self._update_jit = jax.jit(self._update)
 
@@ -139,12 +140,19 @@ class Trainer:
 
     # -- pure pieces (jitted) -----------------------------------------------------------------------
     def compute_params(self, params):
-        """The values the forward multiplies: masters cast to the compute dtype (quantization happens in ops)."""
-        out = jax.tree.map(lambda x: x.astype(self.s.compute_dtype), params)
-        return out if self.plan is None else self.plan.constrain_compute(out)
+        """The values the forward multiplies: masters cast to the compute dtype (quantization happens in ops), on a
+        mesh with their FSDP splits gathered."""
+        return self._constrain(self._cast(params))
+
+    def _cast(self, params):
+        return jax.tree.map(lambda x: x.astype(self.s.compute_dtype), params)
+
+    def _constrain(self, compute):
+        return compute if self.plan is None else self.plan.constrain_compute(compute)
 
     def _forward_stats(self, params, tokens, routed, with_entropy: bool = True):
-        """(log-probs, entropies or None) of `tokens[:, 1:]`, float32 [B, T - 1], under `params` (R3 replay)."""
+        """(log-probs, entropies or None) of `tokens[:, 1:]`, float32 [B, T - 1], under `params` (R3 replay): masters,
+        or masters already cast to the compute dtype (`_cast`; casting them again is a no-op)."""
         model = nnx.merge(self.graphdef, self.compute_params(params))
         chunk, temp = self.s.logit_chunk_tokens, self.s.temperature
         out = model(tokens, routed_experts=routed, policy=self.train_policy, backward=self.s.backward,
@@ -166,11 +174,18 @@ class Trainer:
                            ref_logp=mb.get("ref_logp"), entropy=ent, num_tokens=num_tokens, num_sequences=num_sequences)
 
     def _grads(self, params, mb, num_tokens):
-        """(loss, metrics, grads) of minibatch `mb`: at once, or summed over `micro_batch_rows`-row micro-batches."""
+        """(loss, metrics, grads) of minibatch `mb`: at once, or summed over `micro_batch_rows`-row micro-batches.
+
+        The masters are cast to the compute dtype once, outside the micro-batch loop (XLA does not hoist the casts
+        out of the scan: on the H200 they were rerun for every micro-batch); the gradient with respect to a master
+        is its cast's (the transpose of a cast is the cast back), so it is the same as differentiating the cast."""
         rows, micro = int(mb["tokens"].shape[0]), self.s.micro_batch_rows
+        compute = self._cast(params)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        to_masters = lambda g: jax.tree.map(lambda gc, p: gc.astype(p.dtype), g, params)  # noqa: E731
         if micro <= 0 or micro >= rows:
-            (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, mb, num_tokens)
-            return loss, metrics, grads
+            (loss, metrics), grads = grad_fn(compute, mb, num_tokens)
+            return loss, metrics, to_masters(grads)
         if rows % micro:
             raise ValueError(f"rl.micro_batch_rows={micro} must divide the minibatch's {rows} rows")
         n = rows // micro
@@ -181,9 +196,9 @@ class Trainer:
         num_sequences = jnp.sum(jnp.any(valid, axis=1).astype(jnp.float32))
 
         def body(acc, one):
-            (loss, metrics), g = jax.value_and_grad(self._loss, has_aux=True)(params, one, num_tokens, num_sequences)
+            (loss, metrics), g = grad_fn(compute, one, num_tokens, num_sequences)
             count = jnp.sum((one["mask"] > 0).astype(jnp.float32))
-            return jax.tree.map(jnp.add, acc, g), (loss, metrics, count)
+            return jax.tree.map(jnp.add, acc, to_masters(g)), (loss, metrics, count)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, (losses, per_micro, counts) = jax.lax.scan(body, zeros, micros)
@@ -250,12 +265,13 @@ class Trainer:
     def old_logprobs(self, params, tokens, routed):
         """Log-probs of `tokens` under `params` (training format, R3 replay), in chunks of `logprob_chunk_rows` rows."""
         n, chunk = int(tokens.shape[0]), self.s.logprob_chunk_rows
+        compute = self._cast_jit(params)  # once for all chunks
         if chunk <= 0 or chunk >= n or jax.process_count() > 1:
-            return self._logprob_jit(params, tokens, routed)
+            return self._logprob_jit(compute, tokens, routed)
         parts = []
         for start in range(0, n, chunk):  # a shorter last chunk compiles its own program (once per run)
             sl = slice(start, min(start + chunk, n))
-            parts.append(self._logprob_jit(params, tokens[sl], None if routed is None else routed[sl]))
+            parts.append(self._logprob_jit(compute, tokens[sl], None if routed is None else routed[sl]))
         return jnp.concatenate(parts, axis=0)
 
     def train_step(self) -> dict:
