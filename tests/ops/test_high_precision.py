@@ -61,9 +61,34 @@ def test_float32_by_bf16_skips_the_zero_tail_product():
     H.backends.bf16_grouped_matmul = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
         H._split3_forward(jnp.asarray(x), wb, "interpret")
+        assert len(calls) == 1  # x's head and tail rows stacked into one call
+        H._split3_forward(jnp.asarray(x), wb.astype(jnp.float32), "interpret")
+        assert len(calls) == 1 + 2
     finally:
         H.backends.bf16_grouped_matmul = real
-    assert len(calls) == 2
+
+
+# M = 64 / 128 fill whole 64-row tiles, so the stacked call's tiles are the separate calls' tiles on any host; other
+# M put rows at other positions of a partial tile, whose bits are the kernel's row invariance (on CPU: the host's)
+@pytest.mark.parametrize("m", [1, 64, 128, pytest.param(37, marks=pytest.mark.row_invariant_cpu),
+                               pytest.param(130, marks=pytest.mark.row_invariant_cpu)])
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+def test_stacked_head_and_tail_rows_keep_the_separate_products_bits(m, w_dtype):
+    """x's head and tail rows go through the kernel in one call (stacked); each product keeps the bits of its own
+    call, and the sum keeps the order hi.hi + (hi.lo + lo.hi)."""
+    x, w = _operands(m, 200, 128, seed=11)
+    x, w = jnp.asarray(x), jnp.asarray(w, w_dtype)
+    got = np.asarray(H.high_precision_dot(x, w, FORM))
+    pad = (-w.shape[0]) % 128
+    wp = jnp.pad(w, ((0, pad), (0, 0)))
+    mm = lambda a, b: H.backends.bf16_grouped_matmul(a, b[None], jnp.asarray([a.shape[0]], jnp.int32), backend="interpret")  # noqa: E731
+    xh, xl = H.split_bf16(x)
+    if w_dtype == jnp.bfloat16:
+        ref = mm(xh, wp) + mm(xl, wp)
+    else:
+        wh, wl = H.split_bf16(wp)
+        ref = mm(xh, wh) + (mm(xh, wl) + mm(xl, wh))
+    assert got.tobytes() == np.asarray(ref[:, :200]).tobytes()
 
 
 def test_bf16_operands_take_one_exact_product():

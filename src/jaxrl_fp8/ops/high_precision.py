@@ -21,7 +21,8 @@ products of the BF16 format and of the emulated MXFP8 / NVFP4 formats (BF16 oper
 Mosaic kernel runs; "xla" everywhere else, where the XLA dot is already row invariant and cheaper), "xla",
 "split3" (its products on the backend ops picks for any BF16 grouped GEMM: the Mosaic kernel on a Hopper GPU,
 the XLA grouped path elsewhere), "split3-interpret" (the kernel in interpret mode; CPU tests).
-Cost of split3: up to three tensor-core products instead of one, a float32 weight's split recomputed on every call,
+Cost of split3: up to three tensor-core products instead of one (in two kernel calls: x's head and tail rows are
+stacked into one), a float32 weight's split recomputed on every call,
 and the grouped kernel's N / 128 CTAs on narrow decode GEMMs (decision record 0008 has the decode numbers;
 experiments/benchmarks/decode.py records the form it ran under).
 `block_dot` gives the XLA path of the FP8 block-scaled GEMMs (`ops.block_scaled`) its product of one K block in the
@@ -90,20 +91,25 @@ def _split3_forward(x, w, backend: str):
     n = w.shape[0]
     pad = (-n) % _TILE_N
     w = jnp.pad(w, ((0, pad), (0, 0))) if pad else w
-    sizes = jnp.asarray([m], jnp.int32)
 
-    def mm(a, b):
-        return backends.bf16_grouped_matmul(a, b[None], sizes, backend=backend)
+    def mm(a, b):  # one group: every row of a
+        return backends.bf16_grouped_matmul(a, b[None], jnp.asarray([a.shape[0]], jnp.int32), backend=backend)
 
     is_bf16 = lambda a: jnp.dtype(a.dtype) == jnp.dtype(BF16)
     # a BF16 operand has no tail (lo == 0), so its cross product is skipped: a float32 router over BF16
     # parameters (or activations) takes two products, BF16 by BF16 one
     xh, xl = (x, None) if is_bf16(x) else split_bf16(x)
     wh, wl = (w, None) if is_bf16(w) else split_bf16(w)
-    cross = [mm(a, b) for a, b in ((xh, wl), (xl, wh)) if a is not None and b is not None]
-    y = mm(xh, wh)
-    if cross:
-        y = y + (cross[0] + cross[1] if len(cross) == 2 else cross[0])
+    if xl is None:
+        hh = mm(xh, wh)
+        y = hh if wl is None else hh + mm(xh, wl)
+    else:
+        # x's head and tail share the weight's head: one kernel call on their stacked rows (the kernel is row
+        # invariant, so each row has the bits it would have alone) instead of two; at decode's M the products are
+        # latency-bound and the call count is what costs
+        both = mm(jnp.concatenate([xh, xl], axis=0), wh)
+        hh, lh = both[:m], both[m:]
+        y = hh + (mm(xh, wl) + lh if wl is not None else lh)
     return y[:, :n]
 
 
