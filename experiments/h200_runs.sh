@@ -38,6 +38,10 @@
 #                                            # STEP_PROFILE_ARGS adds flags (e.g. "--programs decode" or "--trace-dir
 #                                            # $OUT/step_profile_traces" to keep the raw traces); the update needs
 #                                            # ml_collections (train_deps: carry .whl/)
+#   bash experiments/h200_runs.sh profile_accum  # (~4 min) the update as rl_step_accum runs it (16 rows x 1280 tokens,
+#                                            # micro-batches of 4, logit chunks of 2048), bf16 + fp8_block, its optimized
+#                                            # HLO beside it (fusion names -> source ops) -> $OUT/step_profile_update_accum_h200.json,
+#                                            # $OUT/update_hlo.tgz (carry .whl/)
 # decode, rollout_workload, mismatch and profile write their JSON after every point / size, so a stage cut short keeps
 # what it measured.
 # The GPU image lacks ml_collections, grain (+ array_record, portpicker) and tensorboardX: download their wheels into
@@ -161,6 +165,14 @@ case "${1:-}" in
     XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
       timeout "${2:-570}" $PY experiments/benchmarks/step_profile.py --out "$OUT/step_profile_h200.json" \
       ${STEP_PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/step_profile.log" ;;
+  profile_accum) train_deps || exit 1
+    XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
+      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/update_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=_update" \
+      timeout "${2:-400}" $PY experiments/benchmarks/step_profile.py --programs update --recipes bf16,fp8_block \
+      --update-rows 16 --update-micro-batch 4 --update-logit-chunk 2048 --out "$OUT/step_profile_update_accum_h200.json" \
+      2>&1 | quiet | tee "$OUT/step_profile_update_accum.log"
+    mkdir -p /tmp/update_hlo_kept && cp /tmp/update_hlo/*_update*after_optimizations.txt /tmp/update_hlo_kept/ 2>/dev/null
+    tar czf "$OUT/update_hlo.tgz" -C /tmp update_hlo_kept ;;
   train_long) XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-540}" $PY experiments/benchmarks/train_step_long.py \
       --out "$OUT/train_step_long_h200.json" 2>&1 | quiet | tee "$OUT/train_step_long.log" ;;
   invariance) $PY experiments/checks/row_invariance.py --out "$OUT/row_invariance_h200.json" 2>&1 | quiet | tee "$OUT/invariance.log" ;;
