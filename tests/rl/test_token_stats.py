@@ -150,3 +150,24 @@ def test_token_stats_backward_has_no_pairwise_tree_or_scatter():
     autodiff = hlo(lambda lg: _reference_stats(lg, targets, 1.0))
     assert "scatter" in autodiff and "scatter" not in ours
     assert ours.count("stablehlo.pad") < autodiff.count("stablehlo.pad")
+
+
+def test_chunked_value_and_grad_evaluates_the_vocabulary_tree_once(monkeypatch):
+    """Under the chunks' remat the rebuilt forward's log-probs are dead code with the closed-form backward, so the
+    pairwise tree over the vocabulary (padded 1000 -> 1024 here) is compiled once, for the loss value (with the GPU's
+    backward log-softmax; on CPU the backward has its own row-invariant one)."""
+    import functools
+    import re
+
+    from jaxrl_fp8.rl import token_stats as TS
+
+    monkeypatch.setattr(TS, "_backward_log_softmax", lambda: functools.partial(jax.nn.log_softmax, axis=-1))
+    hidden, head = jnp.ones((2, 8, 32)), jnp.ones((1000, 32))
+    targets = jnp.zeros((2, 8), jnp.int32)
+
+    def loss(h, hd):
+        logp, ent = chunked_token_stats(h, hd, targets, 1.0, 4)
+        return jnp.sum(logp) + jnp.sum(ent)
+
+    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(hidden, head).compile().as_text()
+    assert len(re.findall(r"f32\[\d+,1024\]\{[^}]*\} pad\(", hlo)) == 1
