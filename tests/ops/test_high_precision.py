@@ -76,12 +76,25 @@ def test_float32_by_bf16_skips_the_zero_tail_product():
 def test_stacked_head_and_tail_rows_keep_the_separate_products_bits(m, w_dtype):
     """x's head and tail rows go through the kernel in one call (stacked); each product keeps the bits of its own
     call, and the sum keeps the order hi.hi + (hi.lo + lo.hi)."""
+    _check_stacked(m, w_dtype, FORM, "interpret")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 37, 256, 2560])
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_stacked_head_and_tail_rows_keep_the_separate_products_bits(m, w_dtype):
+    """The same on the Hopper kernel, at decode's and the trainer's M."""
+    assert H.effective_form() == "split3"
+    _check_stacked(m, w_dtype, "split3", H._backend("split3", 128))
+
+
+def _check_stacked(m, w_dtype, form, backend):
     x, w = _operands(m, 200, 128, seed=11)
     x, w = jnp.asarray(x), jnp.asarray(w, w_dtype)
-    got = np.asarray(H.high_precision_dot(x, w, FORM))
+    got = np.asarray(H.high_precision_dot(x, w, form))
     pad = (-w.shape[0]) % 128
     wp = jnp.pad(w, ((0, pad), (0, 0)))
-    mm = lambda a, b: H.backends.bf16_grouped_matmul(a, b[None], jnp.asarray([a.shape[0]], jnp.int32), backend="interpret")  # noqa: E731
+    mm = lambda a, b: H.backends.bf16_grouped_matmul(a, b[None], jnp.asarray([a.shape[0]], jnp.int32), backend=backend)  # noqa: E731
     xh, xl = H.split_bf16(x)
     if w_dtype == jnp.bfloat16:
         ref = mm(xh, wp) + mm(xl, wp)
