@@ -156,7 +156,7 @@ class MoE(nnx.Module):
                              self.down_proj.weight.get_value(), fmts, ctx.backward)
             return y.astype(x.dtype), routing
         d = moe_lib.dispatch(routing.experts, cfg.num_experts)
-        xs = x[d.token_of_row]
+        xs = moe_lib.sorted_rows(x, d)
         h = silu(self._proj("gate_proj", xs, d.group_sizes, ctx)) * self._proj("up_proj", xs, d.group_sizes, ctx)
         y = self._proj("down_proj", h, d.group_sizes, ctx)
         return moe_lib.combine(y, d, routing.weights).astype(x.dtype), routing

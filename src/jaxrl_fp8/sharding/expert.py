@@ -94,7 +94,7 @@ def _local_moe(x, experts, weights, gate_w, up_w, down_w, *, ep, tp, fmts, backw
     y_recv = jnp.zeros_like(y).at[local_order].set(y)
     back = jax.lax.all_to_all(y_recv, expert_axis, 0, 0, tiled=True) if ep > 1 else y_recv
     rows_sorted = back[slot]
-    d = moe_lib.Dispatch(order, jnp.zeros((0,), jnp.int32), order // k)
+    d = moe_lib.Dispatch(order, jnp.zeros((0,), jnp.int32), order // k, moe_lib.inverse_permutation(order))
     return moe_lib.combine(rows_sorted, d, weights)
 
 
