@@ -82,11 +82,10 @@ def _permute_rows(x, perm, perm_inverse):
 
 
 def _permute_rows_fwd(x, perm, perm_inverse):
-    return x[perm], (perm, perm_inverse)
+    return x[perm], perm_inverse
 
 
-def _permute_rows_bwd(res, g):
-    _, perm_inverse = res
+def _permute_rows_bwd(perm_inverse, g):
     return g[perm_inverse], None, None
 
 

@@ -85,6 +85,20 @@ def _backend(form: str, k: int) -> str | None:
     return backends.resolve_bf16_grouped("interpret" if form == "split3-interpret" else None, _TILE_N, k)
 
 
+def _head_tail(a: jax.Array):
+    """(hi, lo) of a float32 operand; (a, None) for a BF16 one: it has no tail, so its cross product is skipped (a
+    float32 router over BF16 parameters takes two products, BF16 by BF16 one)."""
+    return (a, None) if jnp.dtype(a.dtype) == jnp.dtype(BF16) else split_bf16(a)
+
+
+def _sum_split(hh, hl, lh):
+    """The split form's one summation order, hi.hi + (hi.lo + lo.hi), without the terms that are absent (None)."""
+    cross = [t for t in (hl, lh) if t is not None]
+    if not cross:
+        return hh
+    return hh + (cross[0] + cross[1] if len(cross) == 2 else cross[0])
+
+
 def _split3_forward(x, w, backend: str):
     """float32 [M, N]: the split products (three, fewer when an operand is BF16), N padded to the kernel's tile."""
     m, k = x.shape
@@ -95,22 +109,18 @@ def _split3_forward(x, w, backend: str):
     def mm(a, b):  # one group: every row of a
         return backends.bf16_grouped_matmul(a, b[None], jnp.asarray([a.shape[0]], jnp.int32), backend=backend)
 
-    is_bf16 = lambda a: jnp.dtype(a.dtype) == jnp.dtype(BF16)
-    # a BF16 operand has no tail (lo == 0), so its cross product is skipped: a float32 router over BF16
-    # parameters (or activations) takes two products, BF16 by BF16 one
-    xh, xl = (x, None) if is_bf16(x) else split_bf16(x)
-    wh, wl = (w, None) if is_bf16(w) else split_bf16(w)
+    xh, xl = _head_tail(x)
+    wh, wl = _head_tail(w)
     if xl is None:
-        hh = mm(xh, wh)
-        y = hh if wl is None else hh + mm(xh, wl)
+        hh, lh = mm(xh, wh), None
     else:
         # x's head and tail share the weight's head: one kernel call on their stacked rows (the kernel is row
         # invariant, so each row has the bits it would have alone) instead of two; at decode's M the products are
         # latency-bound and the call count is what costs
         both = mm(jnp.concatenate([xh, xl], axis=0), wh)
         hh, lh = both[:m], both[m:]
-        y = hh + (mm(xh, wl) + lh if wl is not None else lh)
-    return y[:, :n]
+    hl = mm(xh, wl) if wl is not None else None
+    return _sum_split(hh, hl, lh)[:, :n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -132,18 +142,13 @@ def split_dot_general(a: jax.Array, b: jax.Array, dimension_numbers) -> jax.Arra
     the split's bound (2^-15 of |a|.|b|), as the forward's does. Not row invariant on a GPU (cuBLAS), which the
     gradient need not be: it enters no rollout / trainer comparison.
     """
-    is_bf16 = lambda t: jnp.dtype(t.dtype) == jnp.dtype(BF16)  # noqa: E731
-    ah, al = (a, None) if is_bf16(a) else split_bf16(a)
-    bh, bl = (b, None) if is_bf16(b) else split_bf16(b)
+    ah, al = _head_tail(a)
+    bh, bl = _head_tail(b)
 
     def dot(p, q):
         return lax.dot_general(p, q, dimension_numbers, preferred_element_type=F32)
 
-    cross = [dot(p, q) for p, q in ((ah, bl), (al, bh)) if p is not None and q is not None]
-    y = dot(ah, bh)
-    if cross:
-        y = y + (cross[0] + cross[1] if len(cross) == 2 else cross[0])
-    return y
+    return _sum_split(dot(ah, bh), dot(ah, bl) if bl is not None else None, dot(al, bh) if al is not None else None)
 
 
 def _split3_bwd(backend, res, g):
