@@ -22,29 +22,19 @@ and of the draw:
 from __future__ import annotations
 
 import argparse
-import json
-import time
+import os
+import sys
 
 import numpy as np
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "benchmarks")]
+from row_invariance import _diff  # noqa: E402  (elements whose bits differ)
+from timing import bench, run_header, write_results  # noqa: E402
 
-def _diff(a, b) -> int:
-    a, b = np.asarray(a), np.asarray(b)
-    return int(np.sum(a.view(np.uint8).reshape(a.shape + (-1,)) != b.view(np.uint8).reshape(b.shape + (-1,))))
 
-
-def _time(f, *args, reps=20):
-    import jax
-
-    jax.block_until_ready(f(*args))
-    best = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = f(*args)
-        jax.block_until_ready(out)
-        best.append((time.perf_counter() - t0) / reps * 1e3)
-    return float(np.median(best))
+def _ms(f, *args) -> float:
+    return bench(f, *args)[0] * 1e3
 
 
 def main(argv=None):
@@ -55,7 +45,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    import jaxrl_fp8  # noqa: F401
+    import jaxrl_fp8  # noqa: F401  (its XLA flags before the first device use)
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -79,7 +69,7 @@ def main(argv=None):
         return jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
     logprob_variants = {"row_sum": jax.jit(sampling.token_logprobs), "jnp_sum": jax.jit(lp_jnp_sum)}
-    result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "vocab": v, "batches": batches,
+    result = {**run_header(__file__, argv), "vocab": v, "batches": batches, "counts": "elements whose bits differ",
               "logprob": {}, "sample": {}}
     ref_rows = 3
     for name, f in logprob_variants.items():
@@ -91,7 +81,7 @@ def main(argv=None):
         # the trainer's layout: [B, T, V] with the rows as positions
         bt = np.asarray(jax.jit(lambda lg, tok, t: f(lg.reshape(-1, v), tok.reshape(-1), t.reshape(-1)))(
             logits.reshape(2, big // 2, v), tokens.reshape(2, big // 2), temp.reshape(2, big // 2)))
-        ms = _time(f, logits[:args.rows], tokens[:args.rows], temp[:args.rows])
+        ms = _ms(f, logits[:args.rows], tokens[:args.rows], temp[:args.rows])
         same_as_product = _diff(full, np.asarray(logprob_variants["row_sum"](logits, tokens, temp)))
         result["logprob"][name] = {"differing_by_batch": per_batch, "differing_in_trainer_layout": _diff(bt, full),
                                    "differing_from_row_sum": same_as_product, "ms_at_rows": ms}
@@ -120,7 +110,7 @@ def main(argv=None):
     drawn_ref = np.asarray(sample_variants["current"](logits[:rows], temp[:rows], top_k, top_p, seeds, steps))
     for name, f in sample_variants.items():
         out = np.asarray(f(logits[:rows], temp[:rows], top_k, top_p, seeds, steps))
-        ms = _time(f, logits[:rows], temp[:rows], top_k, top_p, seeds, steps)
+        ms = _ms(f, logits[:rows], temp[:rows], top_k, top_p, seeds, steps)
         greedy_t = temp[:rows].at[::2].set(0.0)
         agree_greedy = _diff(np.asarray(f(logits[:rows], greedy_t, top_k, top_p, seeds, steps)),
                              np.asarray(sample_variants["current"](logits[:rows], greedy_t, top_k, top_p, seeds, steps)))
@@ -129,8 +119,7 @@ def main(argv=None):
         print(f"sample {name:8s}: {ms:.3f} ms at {rows} rows; differing from current {_diff(out, drawn_ref)}, "
               f"half greedy {agree_greedy}")
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        write_results(args.out, result)
         print("wrote", args.out)
 
 
