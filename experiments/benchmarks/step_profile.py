@@ -517,9 +517,11 @@ def update_point(args, recipe_name: str, model, trace_dir: str) -> dict:
     import jax
 
     update, inputs, trainer = build_update(args, recipe_name, model)
+    state = list(inputs)
 
-    def call():  # blocked and dropped: the outputs (new masters and moments) are as large as the inputs
-        metrics = jax.block_until_ready(update(*inputs))[2]
+    def call():  # the update donates masters and moments: each call updates the previous call's state, as training does
+        params, opt_state, metrics = jax.block_until_ready(update(*state))
+        state[:2] = params, opt_state
         return {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
 
     t = time.perf_counter()

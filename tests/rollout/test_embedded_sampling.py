@@ -38,6 +38,31 @@ def test_tempered_logits_is_ieee_division():
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.0, 1, np.float32(1.0)])
+def test_concrete_unit_temperature_skips_the_division_with_the_divided_bits(temperature):
+    """A concrete T of 1 (or greedy 0) returns the logits as float32 without a division (no divisor tensor in the
+    program) and with the bits the rollout's traced per-row division gives: x / 1 is exact, infinities and signed
+    zeros included. A subnormal logit is the one difference (XLA:CPU's division flushes it to zero, the skip keeps
+    it) and no later op sees it: they read subnormals as zero, so the log-probs keep their bits."""
+    rng = np.random.default_rng(2)
+    logits = (rng.normal(size=(6, 41)) * 9).astype(np.float32)
+    logits[0, :4] = [np.inf, -np.inf, -0.0, 3e38]
+    logits[1, :3] = [1e-42, -1e-45, 1.2e-38]
+    ones = np.full(6, float(temperature), np.float32)
+    got = np.asarray(jax.jit(lambda x: S.tempered_logits(x, temperature))(logits))
+    traced = np.asarray(jax.jit(S.tempered_logits)(logits, ones))
+    normal = np.abs(logits) >= np.finfo(np.float32).tiny
+    np.testing.assert_array_equal(got.view(np.uint32)[normal | (logits == 0)], traced.view(np.uint32)[normal | (logits == 0)])
+    np.testing.assert_array_equal(got.view(np.uint32), logits.view(np.uint32))
+    finite, tokens = logits[1:], np.array([0, 1, 2, 5, 40])  # row 0's infinities make NaN rows
+    lp = np.asarray(jax.jit(lambda x: S.token_logprobs(x, tokens, temperature))(finite))
+    lp_traced = np.asarray(jax.jit(S.token_logprobs)(finite, tokens, ones[1:]))
+    np.testing.assert_array_equal(lp.view(np.uint32), lp_traced.view(np.uint32))
+    hlo = jax.jit(lambda x: S.tempered_logits(x, temperature)).lower(logits).as_text()
+    assert "divide" not in hlo
+    assert "divide" in jax.jit(lambda x: S.tempered_logits(x, 0.7)).lower(logits).as_text()
+
+
 def test_token_logprobs_full_distribution_and_greedy_at_t1():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(4, 50)).astype(np.float32) * 3

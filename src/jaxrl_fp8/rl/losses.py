@@ -21,6 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl_fp8.model import numerics
+
 LOG_RATIO_CLAMP = 20.0
 LOW_VAR_KL_CLAMP = 10.0
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -114,9 +116,14 @@ def aggregate(
 
 
 def entropy_from_logits(logits: jax.Array) -> jax.Array:
-    """Entropy of softmax(logits) per position, float32: `[..., V]` → `[...]`."""
-    logits = logits.astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    """Entropy of softmax(logits) per position, float32: `[..., V]` → `[...]`, through the row-invariant log-softmax
+    the log-probs use (`numerics.log_softmax`), so that beside `token_logprobs` of the same logits it needs one
+    vocabulary pass of its own (XLA shares the max and the normaliser)."""
+    return entropy_from_log_softmax(numerics.log_softmax(logits))
+
+
+def entropy_from_log_softmax(logp: jax.Array) -> jax.Array:
+    """-sum(p log p) over the last axis of float32 log-probabilities `logp` `[..., V]`."""
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 
 from jaxrl_fp8.model import numerics
 from jaxrl_fp8.model.matmul import high_precision_linear
-from jaxrl_fp8.rl.losses import entropy_from_logits
-from jaxrl_fp8.rollout.sampling import effective_temperature, tempered_logits, token_logprobs
+from jaxrl_fp8.model.numerics import log_softmax
+from jaxrl_fp8.rl.losses import entropy_from_log_softmax
+from jaxrl_fp8.rollout.sampling import effective_temperature, pick_logprobs, tempered_logits
 
 F32 = jnp.float32
 
@@ -45,9 +46,13 @@ def _token_stats(with_entropy, logits, targets, temperature):
 
 
 def _token_stats_fwd(with_entropy, logits, targets, temperature):
-    logp = token_logprobs(logits, targets, temperature)
-    ent = entropy_from_logits(tempered_logits(logits, temperature)) if with_entropy else None
-    return (logp, ent), (logits, targets, temperature, ent)
+    # one log-softmax for both (the ops of token_logprobs and entropy_from_logits, so their bits): three vocabulary
+    # passes (max, the pairwise normaliser, the entropy's sum). The residuals are the logits alone: under the chunk's
+    # remat the backward then rebuilds only the head's product, none of these passes.
+    logp_all = log_softmax(tempered_logits(logits, temperature))
+    logp = pick_logprobs(logp_all, targets)
+    ent = entropy_from_log_softmax(logp_all) if with_entropy else None
+    return (logp, ent), (logits, targets, temperature)
 
 
 def _backward_log_softmax():
@@ -59,14 +64,15 @@ def _backward_log_softmax():
 
 
 def _token_stats_bwd(with_entropy, res, cts):
-    logits, targets, temperature, ent = res
+    logits, targets, temperature = res
     g_logp, g_ent = cts
     z = tempered_logits(logits, temperature)
     logp_all = _backward_log_softmax()(z)
     p = jnp.exp(logp_all)
     onehot = jnp.arange(z.shape[-1], dtype=jnp.int32) == jnp.asarray(targets, jnp.int32)[..., None]
     dz = g_logp[..., None] * (onehot.astype(F32) - p)
-    if with_entropy:
+    if with_entropy:  # the entropy of this backward's own p (a coefficient: no bits to keep)
+        ent = entropy_from_log_softmax(logp_all)
         dz = dz - g_ent[..., None] * p * (logp_all + ent[..., None])
     t = jnp.asarray(effective_temperature(temperature))
     dlogits = dz / t[..., None] if t.ndim else dz / t

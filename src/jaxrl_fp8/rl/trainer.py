@@ -113,10 +113,8 @@ class Trainer:
             self.opt_state = plan.shard(self.opt_state)
             if plan.mesh.size > 1 and model.cfg.is_moe:
                 self.moe_impl = make_moe_impl(plan.mesh)
-        # the frozen reference: its own buffers on a mesh, whose update program donates (deletes) the masters' buffers
-        self.ref_params = None
-        if settings.use_ref:
-            self.ref_params = self.params if plan is None else jax.tree.map(jnp.copy, self.params)
+        # the frozen reference: its own buffers, as the update program donates (deletes) the masters' buffers
+        self.ref_params = jax.tree.map(jnp.copy, self.params) if settings.use_ref else None
         self.engine = engine
         self.tokenizer = tokenizer
         self.loader = loader
@@ -129,7 +127,9 @@ class Trainer:
         self._version_prefix = rollout_version_prefix
         self._cast_jit = jax.jit(self._cast)
         self._logprob_jit = jax.jit(self._logprobs)
-        self._update_jit = jax.jit(self._update)
+        # masters and Adam's moments are updated in place: without donation the program holds the old and the new
+        # state at once (12 B a parameter more: 37 GB of a 3.1B-parameter slice on the H200)
+        self._update_jit = jax.jit(self._update, donate_argnums=(0, 1))
 
     @functools.cached_property
     def _mismatch_fn(self):
@@ -217,7 +217,7 @@ class Trainer:
     def apply_update(self, mb, num_tokens):
         """One optimizer update of the current masters on minibatch `mb` (multi-host: this process's rows), the loss
         normalised by `num_tokens` (the minibatch's global token count). Returns (params, opt_state, metrics); the
-        caller stores them (on a mesh the old state buffers are donated)."""
+        caller stores them (the old state buffers are donated: `self.params` / `self.opt_state` are deleted)."""
         if self.plan is None:
             return self._update_jit(self.params, self.opt_state, mb, num_tokens)
         mb, num_tokens = self._sharded_inputs(mb, num_tokens)
@@ -354,7 +354,12 @@ class Trainer:
 
     def current_model(self):
         """The model at the current masters, cast to the compute dtype (what the engine should serve)."""
-        return nnx.merge(self.graphdef, jax.tree.map(lambda x: x.astype(self.s.compute_dtype), self.params))
+        return nnx.merge(self.graphdef, jax.tree.map(self._detached_cast, self.params))
+
+    def _detached_cast(self, x):
+        """x in the compute dtype, in a buffer of its own (a cast to x's own dtype returns x, whose buffer the next
+        update donates)."""
+        return jnp.copy(x) if x.dtype == jnp.dtype(self.s.compute_dtype) else x.astype(self.s.compute_dtype)
 
     def push_weights(self) -> None:
         """Hand the new weights to the engine (version v+1); it quantizes them through the same contract."""
