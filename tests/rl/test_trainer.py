@@ -131,6 +131,28 @@ def test_reference_survives_the_donating_update_on_a_mesh():
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
 
 
+def test_single_device_update_donates_only_buffers_the_trainer_owns():
+    """Without a mesh the update donates the masters and moments too: the float32 model handed in, the frozen
+    reference and the model pushed to the engine (a float32 compute dtype: a cast that is a no-op) must each hold
+    buffers of their own. XLA:CPU does not honour donation, so the buffers are compared."""
+    loss = PolicyLossConfig(kl_coef=0.1)
+    t = _trainer(0, loss)
+    model = nnx.merge(t.graphdef, t.params)
+    settings = dataclasses.replace(t.s, use_ref=True, compute_dtype=jnp.float32)
+    t = Trainer(model=model, settings=settings, optimizer=optax.sgd(1e-2), schedule=optax.constant_schedule(1e-2),
+                engine=None, tokenizer=None, loader=None, reward_fn=None, train_policy=t.train_policy,
+                push_weights=lambda *a: None)
+    pointers = lambda tree: {x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)}  # noqa: E731
+    masters = pointers(t.params)
+    assert not masters & pointers(nnx.state(model))
+    assert not masters & pointers(t.ref_params)
+    assert not masters & pointers(nnx.state(t.current_model()))
+    mb = {k: jnp.asarray(v) for k, v in _minibatch(t.cfg).items()}
+    lowered = t._update_jit.lower(t.params, t.opt_state, mb, jnp.float32(mb["mask"].sum()))
+    donated = [leaf for leaf in jax.tree.leaves(lowered.args_info) if leaf.donated]
+    assert len(donated) == len(jax.tree.leaves((t.params, t.opt_state)))
+
+
 def test_masters_are_cast_once_outside_the_micro_batch_loop():
     """With micro-batches the cast of the FP32 masters to the compute dtype happens once per update, before the
     scan: XLA does not hoist it out of the loop by itself (on the H200 every micro-batch re-cast every expert weight).

@@ -95,7 +95,9 @@ class Trainer:
                  train_policy, push_weights: Callable[[Any, str], None], rollout_version_prefix: str = "v", plan=None):
         self.s = settings
         self.graphdef, params = nnx.split(model)
-        self.params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)  # FP32 masters
+        # FP32 masters in buffers of their own (a float32 model's arrays would otherwise be the masters, and the
+        # update donates them: the caller's model would be left with deleted arrays)
+        self.params = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)
         self.optimizer = optimizer
         self.schedule = schedule
         # Scale-out (jaxrl_fp8.sharding): state in its storage layout on the mesh, experts on their devices.
