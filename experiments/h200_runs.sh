@@ -26,7 +26,7 @@
 #   bash experiments/h200_runs.sh rl_step_long  # the same at 4k responses (bf16, fp8_block, then mixed if time is left)
 #   bash experiments/h200_runs.sh rl_step_accum # 1k responses as an RL recipe runs them: 4 optimizer updates a step
 #                                            # (minibatches of 16 rows, gradients accumulated over micro-batches of 4,
-#                                            # the loss's logits in chunks of 2048 positions; ~109 GB by the estimate)
+#                                            # the loss's logits in chunks of 2048 positions; 6 layers: 98-102 GB measured)
 #                                            # instead of 32 updates of 2 rows
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
@@ -154,7 +154,7 @@ rl_step() {
 case "${1:-}" in
   rl_step) rl_step 1024 "${2:-540}" rl_step_h200_1k ;;
   rl_step_long) rl_step 4096 "${2:-540}" rl_step_h200_4k ;;
-  rl_step_accum) RL_STEP_ARGS="--batch 16 --micro-batch 4 --logit-chunk 2048 ${RL_STEP_ARGS:-}" \
+  rl_step_accum) RL_STEP_ARGS="--layers 6 --batch 16 --micro-batch 4 --logit-chunk 2048 ${RL_STEP_ARGS:-}" \
       rl_step 1024 "${2:-540}" rl_step_h200_1k_accum ;;
   parallel) parallel "${2:-540}" ;;
   flash) $PY -m pytest -v -s -m gpu tests/pallas_kernels/test_attention.py tests/rollout/test_flash_rollout_gpu.py \

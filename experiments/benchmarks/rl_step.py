@@ -37,9 +37,10 @@ that cannot finish in the time left (recorded as skipped).
 Memory (H200, 141 GB, ~132 GB usable at XLA_PYTHON_CLIENT_MEM_FRACTION=0.94, which the script sets for its points
 unless preallocation is off). Parameters P = 2 x 151936 x 2048 (embedding, lm_head: 0.62B) + 0.623B a layer (experts
 3 x 128 x 2048 x 768 = 604M, attention 18.9M, router 0.26M): 2.49B at 3 layers, 3.12B at 4, 3.74B at 5.
-- weights: the update program takes FP32 masters + Adam moments (12 B/param) and, without buffer donation, returns new
-  ones (12 B/param; XLA writes the gradients into those buffers), plus the engine's BF16 rollout weights (2 B/param;
-  ~1.2 with FP8 projections): ~26 B/param = 65 GB at 3 layers, 81 GB at 4, 97 GB at 5.
+- weights: the update program takes FP32 masters + Adam moments (12 B/param), donated (updated in place), and needs
+  the float32 gradient (4 B/param; with micro-batches their sum), plus the engine's BF16 rollout weights (2 B/param;
+  ~1.2 with FP8 projections): ~18 B/param = 56 GB at 4 layers, 79 GB at 6 (measured: 6 layers at 1k with
+  `rl_step_accum`'s micro-batches peaked at 98.3-101.9 GB).
 - activations of one training row of T = prompt + response tokens (no rematerialisation): ~24 x 151936 B a token for
   the float32 logits and what the loss, the entropy and their gradient make of them, plus per layer ~0.39 MB a token
   (MoE rows, attention, norms) and 12 x 32 x T B a token (XLA attention's probabilities). XLA:CPU's memory analysis
@@ -48,10 +49,10 @@ unless preallocation is off). Parameters P = 2 x 151936 x 2048 (embedding, lm_he
   layer per row at 4k (T = 4352).
 - the old-log-prob pass (forward only, `--logprob-chunk` rows a call, default the minibatch) and the rollout (KV cache
   ~1 GB, prefill of 64 x 256 tokens) peak lower than the update.
-Defaults: 1k: 4 layers, 64 rows a step (16 prompts x 4), minibatches of 2 rows: ~81 + 2 x 7.5 = ~96-100 GB;
-4k: 3 layers, 16 rows (4 x 4), minibatches of 1 row: ~65 + 43 = ~108 GB (4 layers would need ~133 GB). 5 layers at 1k
-(~118 GB) is the deepest that should fit; `--layers` sets it for every length. XLA:CPU's memory analysis of the default
-programs (results/rl_step_memory_analysis_cpu.json, compiled_for_cpu; arguments + outputs + temporaries, bf16 /
+Defaults: 1k: 4 layers, 64 rows a step (16 prompts x 4), minibatches of 2 rows: ~56 + 2 x 7.5 = ~71 GB;
+4k: 3 layers, 16 rows (4 x 4), minibatches of 1 row: ~45 + 43 = ~88 GB. `--layers` sets the depth for every length;
+experiments/h200_runs.sh rl_step_accum runs 6 layers at 1k. XLA:CPU's memory analysis of the default programs, taken
+before the update donated its state (results/rl_step_memory_analysis_cpu.json, compiled_for_cpu; arguments + outputs + temporaries, bf16 /
 fp8_block): update 1k 90.3 / 91.4 GB and 4k 103.5 / 104.0 GB, plus the engine's weights (6.2 / 3.7 GB at 1k, 5.0 / 3.1 GB at 4k); rollout 1k 30 / 35 GB,
 logprob 22 / 37 GB (on CPU the FP8 path's XLA quantizers keep float32 temporaries the GPU's Pallas kernels do not).
 All four programs of a step (rollout, logprob, update, weight push) also lower for CUDA with the Hopper kernels at
@@ -299,14 +300,13 @@ def param_counts(model: dict, layers: int) -> dict:
                 embedding=v * h, lm_head=v * h, active_per_token=active)
 
 
-def memory_estimate(model: dict, layers: int, batch: int, seq: int, accumulate: bool = False, logit_chunk: int = 0) -> dict:
+def memory_estimate(model: dict, layers: int, batch: int, seq: int, logit_chunk: int = 0) -> dict:
     """The docstring's estimate of the update's peak (bytes): weights-related + the activations of the `batch` rows
-    live at once (the minibatch, or one micro-batch with `accumulate`, whose float32 gradient sum takes another
-    4 B/param); with `logit_chunk` positions per head chunk (rl.logit_chunk_tokens) the ~24 x vocab bytes a token
-    of logits are live for one chunk only. Fitted to XLA:CPU's memory analysis of the real update program (bf16
+    live at once (the minibatch, or one micro-batch with gradient accumulation); with `logit_chunk` positions per
+    head chunk (rl.logit_chunk_tokens) the ~24 x vocab bytes a token of logits are live for one chunk only. Fitted to XLA:CPU's memory analysis of the real update program (bf16
     recipe, XLA attention; results/rl_step_memory_analysis_cpu.json, section compiled_for_cpu)."""
     p = param_counts(model, layers)["total"]
-    weights = (30 if accumulate else 26) * p
+    weights = 18 * p
     v, nh = model["vocab_size"], model["num_attention_heads"]
     per_token_layer = 8 * (2 * model["hidden_size"] + 4 * model["moe_intermediate_size"]) * 4 + 20 * model["hidden_size"] * 4
     logits_per_token = 0 if logit_chunk else 24 * v
@@ -314,8 +314,8 @@ def memory_estimate(model: dict, layers: int, batch: int, seq: int, accumulate: 
     logits = 24 * v * min(logit_chunk, batch * seq) if logit_chunk else 0
     return dict(weights_bytes=weights, activations_per_row_bytes=row, minibatch_rows=batch, logit_chunk_bytes=logits,
                 update_peak_bytes=weights + batch * row + logits,
-                rule="26 B/param (30 with micro-batches: their float32 gradient sum) (update arguments: FP32 masters 4 + "
-                     "Adam 8; its outputs, no donation: 12; the engine's BF16 rollout weights 2) + rows x T x (24 x vocab "
+                rule="18 B/param (update arguments, donated: FP32 masters 4 + Adam 8; the float32 gradient or, with "
+                     "micro-batches, its sum 4; the engine's BF16 rollout weights 2) + rows x T x (24 x vocab "
                      "(once per chunk instead with logit chunks) + layers x (MoE/attention ~0.39 MB + 12 x heads x T))")
 
 
@@ -708,8 +708,7 @@ def memory_analysis(args) -> int:
             entry = dict(recipe=recipe_name, response_tokens=length, layers=cfg.num_hidden_layers, sizes=s,
                          backend=jax.default_backend(), params=param_counts(FULL if not args.tiny else TINY, cfg.num_hidden_layers),
                          estimate=memory_estimate(FULL if not args.tiny else TINY, cfg.num_hidden_layers,
-                                                  s["micro_batch"], seq, s["micro_batch"] < s["batch"],
-                                                  c.rl.logit_chunk_tokens))
+                                                  s["micro_batch"], seq, c.rl.logit_chunk_tokens))
             push, rollout, rollout_args = _engine_programs(graphdef, params, train_policy.with_format(recipe.rollout_format),
                                                            s["rows"], args.prompt_tokens, length)
             for name, fn, call in (
@@ -866,9 +865,7 @@ def main(argv=None) -> int:
                     params={str(n): param_counts(model, sizes[n]["layers"]) for n in args.lengths},
                     sizes={str(n): sizes[n] for n in args.lengths},
                     memory_estimate={str(n): memory_estimate(model, sizes[n]["layers"], sizes[n]["micro_batch"],
-                                                             args.prompt_tokens + n,
-                                                             sizes[n]["micro_batch"] < sizes[n]["batch"],
-                                                             args.logit_chunk or 0)
+                                                             args.prompt_tokens + n, args.logit_chunk or 0)
                                      for n in args.lengths}),
         warmup_steps=args.warmup_steps, time_budget_seconds=args.time_budget or None,
         env={k: os.environ.get(k) for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
