@@ -51,10 +51,11 @@ unless preallocation is off). Parameters P = 2 x 151936 x 2048 (embedding, lm_he
   ~1 GB, prefill of 64 x 256 tokens) peak lower than the update.
 Defaults: 1k: 4 layers, 64 rows a step (16 prompts x 4), minibatches of 2 rows: ~56 + 2 x 7.5 = ~71 GB;
 4k: 3 layers, 16 rows (4 x 4), minibatches of 1 row: ~45 + 43 = ~88 GB. `--layers` sets the depth for every length;
-experiments/h200_runs.sh rl_step_accum runs 6 layers at 1k. XLA:CPU's memory analysis of the default programs, taken
-before the update donated its state (results/rl_step_memory_analysis_cpu.json, compiled_for_cpu; arguments + outputs + temporaries, bf16 /
-fp8_block): update 1k 90.3 / 91.4 GB and 4k 103.5 / 104.0 GB, plus the engine's weights (6.2 / 3.7 GB at 1k, 5.0 / 3.1 GB at 4k); rollout 1k 30 / 35 GB,
-logprob 22 / 37 GB (on CPU the FP8 path's XLA quantizers keep float32 temporaries the GPU's Pallas kernels do not).
+experiments/h200_runs.sh rl_step_accum runs 6 layers at 1k. XLA:CPU's memory analysis of the default programs
+(results/rl_step_memory_analysis_cpu.json, compiled_for_cpu; arguments + outputs - aliased (the update's donated
+state) + temporaries, bf16 / fp8_block): update 1k 73.1 / 83.7 GB and 4k 84.6 / 94.2 GB, plus the engine's weights
+(6.2 / 3.7 GB at 1k, 5.0 / 3.1 GB at 4k); rollout 1k 28 / 33 GB, logprob 22 / 37 GB (on CPU the FP8 path's XLA
+quantizers keep float32 temporaries the GPU's Pallas kernels do not).
 All four programs of a step (rollout, logprob, update, weight push) also lower for CUDA with the Hopper kernels at
 these shapes on a CPU machine (`--memory-analysis --lower-platform cuda`: results/rl_step_memory_analysis_cpu.json,
 section lowered_for_cuda). `--memory-analysis` writes one section per mode (compiled_for_<host backend>,
@@ -303,8 +304,10 @@ def param_counts(model: dict, layers: int) -> dict:
 def memory_estimate(model: dict, layers: int, batch: int, seq: int, logit_chunk: int = 0) -> dict:
     """The docstring's estimate of the update's peak (bytes): weights-related + the activations of the `batch` rows
     live at once (the minibatch, or one micro-batch with gradient accumulation); with `logit_chunk` positions per
-    head chunk (rl.logit_chunk_tokens) the ~24 x vocab bytes a token of logits are live for one chunk only. Fitted to XLA:CPU's memory analysis of the real update program (bf16
-    recipe, XLA attention; results/rl_step_memory_analysis_cpu.json, section compiled_for_cpu)."""
+    head chunk (rl.logit_chunk_tokens) the ~24 x vocab bytes a token of logits are live for one chunk only. The
+    activation terms were fitted to XLA:CPU's memory analysis of the real update program (bf16 recipe, XLA attention;
+    results/rl_step_memory_analysis_cpu.json, section compiled_for_cpu); the weights' 18 B/param is the donated
+    update's buffers, an upper bound of the H200's peaks (module docstring)."""
     p = param_counts(model, layers)["total"]
     weights = 18 * p
     v, nh = model["vocab_size"], model["num_attention_heads"]
@@ -726,11 +729,13 @@ def memory_analysis(args) -> int:
                                            mosaic_gpu_mentions=txt.count("mosaic_gpu"), hlo_text_chars=len(txt))
                         print(f"[rl_step] lowered {recipe_name} {length} {name} for {args.lower_platform}: {entry[name]}", flush=True)
                         continue
-                    compiled = jax.jit(fn).lower(*call()).compile()
+                    donated = Trainer.UPDATE_DONATED if name == "update" else ()  # as the trainer jits it
+                    compiled = jax.jit(fn, donate_argnums=donated).lower(*call()).compile()
                     ma = compiled.memory_analysis()
                     entry[name] = dict(compile_seconds=time.time() - t0, **{
                         a: int(getattr(ma, a)) for a in ("argument_size_in_bytes", "output_size_in_bytes",
-                                                         "temp_size_in_bytes", "generated_code_size_in_bytes")
+                                                         "alias_size_in_bytes", "temp_size_in_bytes",
+                                                         "generated_code_size_in_bytes")
                         if ma is not None and hasattr(ma, a)})
                 except Exception as e:
                     entry[name] = dict(error=f"{type(e).__name__}: {str(e)[:2000]}", compile_seconds=time.time() - t0)

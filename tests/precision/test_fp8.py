@@ -1,5 +1,6 @@
 """FP8 per-token-group / per-block / per-tensor quantizers: bitwise against the numpy statement of the rule."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -165,5 +166,8 @@ def test_ieee_div_is_correctly_rounded():
     b = (rng.random(50000) * 10 + 0.1).astype(np.float32)
     assert_bitwise(P.ieee_div(a, b), a / b)
     assert_bitwise(P.ieee_div(a, 448.0), a / np.float32(448))
+    for one in (1.0, 1, np.float32(1.0)):  # a concrete divisor of 1: the dividend itself, no division in the program
+        assert_bitwise(P.ieee_div(a, one), a / np.float32(1))
+        assert "divide" not in jax.jit(lambda x, one=one: P.ieee_div(x, one)).lower(a).as_text()
     c = np.concatenate([np.exp2(np.arange(-120, 120)), rng.random(1000) * 1e6]).astype(np.float32)
     assert_bitwise(P.ceil_pow2(c), R.pow2_ceil(c))

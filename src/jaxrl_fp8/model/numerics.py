@@ -100,6 +100,11 @@ def log_softmax(logits: jax.Array) -> jax.Array:
     return shifted - lanewise(jnp.log, row_sum(exp(shifted), keepdims=True))
 
 
+def pick_logprobs(logp: jax.Array, tokens: jax.Array) -> jax.Array:
+    """`logp[..., token]`: each token's log-prob from a full log-softmax `[..., V]` (an exact gather)."""
+    return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
 def softmax(logits: jax.Array) -> jax.Array:
     """float32 softmax over the last axis with the row-invariant sum."""
     z = logits.astype(F32)

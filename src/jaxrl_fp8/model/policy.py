@@ -17,7 +17,7 @@ from flax import nnx
 from jaxrl_fp8.model import hf_io, loader
 from jaxrl_fp8.model.cache import KVCache, init_cache
 from jaxrl_fp8.model.config import ModelConfig, from_hf_config, to_hf_config
-from jaxrl_fp8.model.numerics import log_softmax
+from jaxrl_fp8.model.numerics import log_softmax, pick_logprobs
 from jaxrl_fp8.model.qwen3 import ModelOutput, Qwen3
 from jaxrl_fp8.precision import PrecisionPolicy, Recipe
 
@@ -39,8 +39,7 @@ def parse_dtype(dtype) -> jnp.dtype:
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """log p(targets[b, t]) under logits[b, t] (float32, row invariant). logits [B, T, V], targets [B, T]."""
-    logp = log_softmax(logits)
-    return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return pick_logprobs(log_softmax(logits), targets)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "precision", "backward"))

@@ -10,6 +10,7 @@ vectors (lowered to correctly rounded division) and are tested bitwise against t
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 F32 = jnp.float32
@@ -23,7 +24,14 @@ def ieee_div(a: jnp.ndarray, b) -> jnp.ndarray:
     which rounds differently (one NVFP4 block: (amax / 6) / g = 200.00002 -> e4m3 208, but amax / (6 * g) =
     200.0, a tie that rounds to the even 192; the jitted contract wrote 192 on XLA:CPU and on XLA:GPU, eager
     dispatch 208).
+
+    The divisor is materialised at the quotient's shape because XLA also rewrites a / broadcast(b) into
+    a * broadcast(1 / b). A concrete divisor of exactly 1 (a Python / NumPy scalar) returns `a` as it is: the
+    quotient is exact, and no tensor of ones is written (the trainer's logits at temperature 1: [2048, 151936]
+    float32 a chunk, re-read by every vocabulary pass).
     """
+    if isinstance(b, (int, float, np.number)) and float(b) == 1.0:
+        return jnp.asarray(a, F32)
     a = jnp.asarray(a, F32)
     b = jnp.broadcast_to(jnp.asarray(b, F32), jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
     a = jnp.broadcast_to(a, b.shape)

@@ -26,9 +26,8 @@ import jax.numpy as jnp
 
 from jaxrl_fp8.model import numerics
 from jaxrl_fp8.model.matmul import high_precision_linear
-from jaxrl_fp8.model.numerics import log_softmax
 from jaxrl_fp8.rl.losses import entropy_from_log_softmax
-from jaxrl_fp8.rollout.sampling import effective_temperature, pick_logprobs, tempered_logits
+from jaxrl_fp8.rollout.sampling import effective_temperature, tempered_logits
 
 F32 = jnp.float32
 
@@ -49,8 +48,8 @@ def _token_stats_fwd(with_entropy, logits, targets, temperature):
     # one log-softmax for both (the ops of token_logprobs and entropy_from_logits, so their bits): three vocabulary
     # passes (max, the pairwise normaliser, the entropy's sum). The residuals are the logits alone: under the chunk's
     # remat the backward then rebuilds only the head's product, none of these passes.
-    logp_all = log_softmax(tempered_logits(logits, temperature))
-    logp = pick_logprobs(logp_all, targets)
+    logp_all = numerics.log_softmax(tempered_logits(logits, temperature))
+    logp = numerics.pick_logprobs(logp_all, targets)
     ent = entropy_from_log_softmax(logp_all) if with_entropy else None
     return (logp, ent), (logits, targets, temperature)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrl_fp8.model.numerics import lanewise, log_softmax, softmax
+from jaxrl_fp8.model.numerics import lanewise, log_softmax, pick_logprobs, softmax
 from jaxrl_fp8.precision.arith import ieee_div
 
 F32 = jnp.float32
@@ -32,7 +32,6 @@ __all__ = [
     "effective_temperature",
     "tempered_logits",
     "token_logprobs",
-    "pick_logprobs",
     "keep_mask",
     "row_keys",
     "gumbel_noise",
@@ -47,24 +46,12 @@ def effective_temperature(temperature: jax.Array) -> jax.Array:
 
 
 def tempered_logits(logits: jax.Array, temperature) -> jax.Array:
-    """float32 `logits / T` with IEEE division; `temperature` broadcasts against `logits.shape[:-1]`.
-
-    A concrete temperature of 1 (or greedy 0) skips the division: x / 1 is exact, so the bits are the divided
-    ones (the rollout's traced per-row temperatures still divide). Why it matters: `ieee_div` must materialise its
-    divisor at the dividend's shape (XLA rewrites a / broadcast(b) into a multiply), and at the trainer's
-    [2048, 151936] logit chunks that is a 1.2 GB tensor of ones written and re-read by every vocabulary pass.
-    """
-    if _concretely_one(temperature):
-        return logits.astype(F32)
-    t = effective_temperature(temperature)
-    return ieee_div(logits.astype(F32), jnp.asarray(t)[..., None])
-
-
-def _concretely_one(temperature) -> bool:
-    """Whether `temperature` is a Python / NumPy scalar whose divisor (`effective_temperature`) is exactly 1."""
-    if not isinstance(temperature, (int, float, np.number)):
-        return False
-    return float(temperature) in (0.0, 1.0)
+    """float32 `logits / T` with IEEE division; `temperature` broadcasts against `logits.shape[:-1]`. A Python /
+    NumPy scalar stays one, so that at T = 1 (or greedy 0) `ieee_div` skips its exact division by 1."""
+    if isinstance(temperature, (int, float, np.number)):
+        t = float(temperature) if temperature > 0 else 1.0  # effective_temperature, on the host
+        return ieee_div(logits.astype(F32), t)
+    return ieee_div(logits.astype(F32), jnp.asarray(effective_temperature(temperature))[..., None])
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature=1.0) -> jax.Array:
@@ -73,11 +60,6 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature=1.0) -> jax
     The rollout log-prob convention; bit-identical whether `logits` has one row or many (row invariant).
     """
     return pick_logprobs(log_softmax(tempered_logits(logits, temperature)), tokens)
-
-
-def pick_logprobs(logp: jax.Array, tokens: jax.Array) -> jax.Array:
-    """`logp[..., token]`: the log-prob of each token from a full log-softmax `[..., V]`."""
-    return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
 def _inclusive_prefix_sum(x: jax.Array) -> jax.Array:
