@@ -237,3 +237,24 @@ def test_min_new_bucket_shares_one_program_across_response_lengths(policies):
             assert b.response_ids.size == 1 and b.finish_reason == "length"
             assert a.response_ids[0] == b.response_ids[0]
             assert a.rollout_logprobs[:1].view(np.uint32) == b.rollout_logprobs.view(np.uint32)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block", "mxfp8", "nvfp4"])
+def test_weight_push_program_equals_the_eager_contract(recipe):
+    """The separate placement prepares a weight version as one jitted program; every operand has the bits of the
+    contract's functions run eagerly (the trainer's ops quantize the same values inside its own programs)."""
+    from flax import nnx
+
+    from jaxrl_fp8.rollout.embedded import _prepare_one_device, prepare_rollout_params
+
+    policy = random_policy(CFG, seed=3, dtype="float32", recipe=get_recipe(recipe))
+    eng = EmbeddedEngine(policy, **KW)
+    graphdef, state = nnx.split(policy.model)
+    jitted = jax.tree.leaves(_prepare_one_device(graphdef, state, eng.precision))
+    eager = jax.tree.leaves(prepare_rollout_params(policy.model, eng.precision)[1])
+    assert len(jitted) == len(eager) and any(x.dtype != jnp.float32 for x in eager)  # the projections were converted
+    for a, b in zip(jitted, eager):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    for a, b in zip(jax.tree.leaves(eng._weights.state), eager):  # what the engine serves
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))

@@ -136,6 +136,37 @@ def test_same_seed_same_token_regardless_of_batch():
     assert (other != full).any() and (later != full).any()
 
 
+def test_unit_temperature_branch_gives_the_general_branchs_bits():
+    """A batch at temperature 1 (or greedy) without filters takes `sample_with_logprobs`' branch with no division;
+    each row must keep its tokens and log-prob bits when one more row (T = 0.7, or top-k) sends the batch down the
+    general branch, and the log-probs are `token_logprobs`'. Edge logits: +-inf, NaN-free huge values, subnormals."""
+    rng = np.random.default_rng(11)
+    b, v = 6, 389
+    logits = (rng.normal(size=(b + 1, v)) * 3).astype(np.float32)
+    logits[1, 7] = np.inf
+    logits[2, :5] = -np.inf
+    logits[3, 10:20] = np.float32(1e-40)  # subnormals
+    logits[4, 3] = np.float32(3e38)
+    temps = np.array([1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.7], np.float32)
+    top_k = np.full(b + 1, -1)
+    top_p = np.ones(b + 1, np.float32)
+    seeds = rng.integers(0, 2**31 - 1, size=b + 1)
+    steps = rng.integers(0, 1000, size=b + 1)
+    f = jax.jit(S.sample_with_logprobs)
+    unit_tok, unit_lp = map(np.asarray, f(logits[:b], temps[:b], top_k[:b], top_p[:b], seeds[:b], steps[:b]))
+    gen_tok, gen_lp = map(np.asarray, f(logits, temps, top_k, top_p, seeds, steps))
+    k_top = top_k.copy()
+    k_top[-1] = 5
+    filt_tok, filt_lp = map(np.asarray, f(logits, np.r_[temps[:b], 1.0].astype(np.float32), k_top, top_p, seeds, steps))
+    np.testing.assert_array_equal(unit_tok, gen_tok[:b])
+    np.testing.assert_array_equal(unit_tok, filt_tok[:b])
+    for lp in (gen_lp[:b], filt_lp[:b]):
+        np.testing.assert_array_equal(unit_lp.view(np.uint32), lp.view(np.uint32))
+    ref = np.asarray(jax.jit(S.token_logprobs)(logits, gen_tok, temps))
+    np.testing.assert_array_equal(gen_lp.view(np.uint32), ref.view(np.uint32))
+    assert unit_tok[1] == 7  # an infinite logit is always drawn
+
+
 def _draw_many(logits_row, temperature, top_k, top_p, n=4000):
     v = logits_row.shape[0]
     logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, v))

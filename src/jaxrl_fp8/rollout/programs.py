@@ -59,8 +59,7 @@ class _Carry:
 def _draw(logits, rows: _Rows, t, done, count, tokens, logprobs):
     """Sample response token t for every row from its logits [B, V]; update buffers and stop state."""
     steps = jnp.full(done.shape, t, jnp.int32)
-    tok = sampling.sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, steps)
-    lp = sampling.token_logprobs(logits, tok, rows.temperature)
+    tok, lp = sampling.sample_with_logprobs(logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, steps)
     active = ~done
     tokens = tokens.at[:, t].set(jnp.where(active, tok, 0))
     logprobs = logprobs.at[:, t].set(jnp.where(active, lp, 0.0))
@@ -211,8 +210,7 @@ def _slot_step(model, precision, s: SlotState) -> SlotState:
     routed = s.routed.at[idx, jnp.where(active, s.count - 1, n)].set(out.routed_experts[:, 0], mode="drop")
     logits = out.logits[:, 0]
     r = s.rows
-    tok = sampling.sample_tokens(logits, r.temperature, r.top_k, r.top_p, r.seeds, s.count)
-    lp = sampling.token_logprobs(logits, tok, r.temperature)
+    tok, lp = sampling.sample_with_logprobs(logits, r.temperature, r.top_k, r.top_p, r.seeds, s.count)
     col = jnp.where(active, s.count, n)
     tokens = s.tokens.at[idx, col].set(tok, mode="drop")
     logprobs = s.logprobs.at[idx, col].set(lp, mode="drop")
@@ -271,8 +269,7 @@ def place_rows(s: SlotState, slots, entries, page_table, prompt_lens, rows: _Row
     logits = s.prompt_logits[entries]
     done = rows.max_new <= 0
     zeros = jnp.zeros((a,), jnp.int32)
-    tok = sampling.sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, zeros)
-    lp = sampling.token_logprobs(logits, tok, rows.temperature)
+    tok, lp = sampling.sample_with_logprobs(logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, zeros)
     active = ~done
     tokens = jnp.zeros((a, n), jnp.int32).at[:, 0].set(jnp.where(active, tok, 0))
     logprobs = jnp.zeros((a, n), jnp.float32).at[:, 0].set(jnp.where(active, lp, 0.0))

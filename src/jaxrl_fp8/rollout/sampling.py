@@ -32,9 +32,11 @@ __all__ = [
     "effective_temperature",
     "tempered_logits",
     "token_logprobs",
+    "keep_threshold",
     "keep_mask",
     "row_keys",
     "gumbel_noise",
+    "sample_with_logprobs",
     "sample_tokens",
 ]
 
@@ -67,8 +69,9 @@ def _inclusive_prefix_sum(x: jax.Array) -> jax.Array:
     return lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
 
 
-def keep_mask(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """bool [B, V]: tokens that may be drawn from tempered logits z [B, V] under top-k then top-p.
+def keep_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """float32 [B, 1]: the smallest tempered logit a token of z [B, V] may have and still be drawn under top-k then
+    top-p (`keep_mask` is `z >= keep_threshold`).
 
     top_k int [B] (<= 0 or >= V: no limit); top_p float [B] in (0, 1] (>= 1: no limit). The top-p rule is
     SGLang's: in descending order, a token is dropped when the probability mass strictly before it exceeds
@@ -85,8 +88,12 @@ def keep_mask(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     over = (mass_before > top_p) & (top_p < 1.0)
     n_p = jnp.where(jnp.any(over, axis=-1), jnp.argmax(over, axis=-1), v)
     n_keep = jnp.maximum(jnp.minimum(k, n_p), 1)
-    threshold = jnp.take_along_axis(z_sorted, (n_keep - 1)[:, None], axis=-1)
-    return z >= threshold
+    return jnp.take_along_axis(z_sorted, (n_keep - 1)[:, None], axis=-1)
+
+
+def keep_mask(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """bool [B, V]: tokens of tempered logits z [B, V] that may be drawn under top-k then top-p (`keep_threshold`)."""
+    return z >= keep_threshold(z, top_k, top_p)
 
 
 def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
@@ -108,19 +115,43 @@ def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
     return -lanewise(jnp.log, -lanewise(jnp.log, u))
 
 
-def sample_tokens(logits, temperature, top_k, top_p, seeds, steps) -> jax.Array:
-    """Draw one token per row from logits [B, V]; returns int32 [B].
+def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, steps) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row from logits [B, V] and give its rollout log-prob: (int32 [B], float32 [B]).
 
     temperature f32 [B] (0: greedy = first argmax of the logits), top_k int [B], top_p f32 [B], seeds int [B],
-    steps int [B] (the response index of the token being drawn).
+    steps int [B] (the response index of the token being drawn). The log-prob has `token_logprobs`' bits.
+
+    The tempered logits are computed once for both. When every row runs at temperature 1 (or greedy) without
+    top-k / top-p, RL's usual setting, one branch skips the division: x / 1 = x exactly, so it gives the other
+    branch's bits without writing the [B, V] divisor and quotient that `ieee_div` must materialise (a decode step
+    of 256 rows: 2 x 156 MB). Only a batch in which some row filters sorts the vocabulary.
     """
     logits = logits.astype(F32)
-    z = tempered_logits(logits, temperature)
+    b, v = logits.shape
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, F32), (b,))
     top_k = jnp.asarray(top_k, jnp.int32)
     top_p = jnp.asarray(top_p, F32)
-    needs_filter = jnp.any(((top_k > 0) & (top_k < z.shape[-1])) | (top_p < 1.0))
-    keep = lax.cond(needs_filter, lambda: keep_mask(z, top_k, top_p), lambda: jnp.ones(z.shape, bool))
-    noise = gumbel_noise(row_keys(seeds, steps), z.shape[-1])
-    drawn = jnp.argmax(jnp.where(keep, z + noise, -jnp.inf), axis=-1)
-    greedy = jnp.argmax(logits, axis=-1)
-    return jnp.where(jnp.asarray(temperature) > 0, drawn, greedy).astype(jnp.int32)
+    filters = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1.0))
+    keys = row_keys(seeds, steps)
+
+    def draw(z, keep):
+        drawn = jnp.argmax(jnp.where(keep, z + gumbel_noise(keys, v), -jnp.inf), axis=-1)
+        greedy = jnp.argmax(logits, axis=-1)
+        tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+        return tokens, pick_logprobs(log_softmax(z), tokens)
+
+    def unit_unfiltered():
+        return draw(logits, True)
+
+    def general():
+        z = tempered_logits(logits, temperature)
+        threshold = lax.cond(filters, lambda: keep_threshold(z, top_k, top_p), lambda: jnp.full((b, 1), -jnp.inf, F32))
+        return draw(z, jnp.where(filters, z >= threshold, True))
+
+    unit = jnp.all(effective_temperature(temperature) == 1.0)
+    return lax.cond(unit & ~filters, unit_unfiltered, general)
+
+
+def sample_tokens(logits, temperature, top_k, top_p, seeds, steps) -> jax.Array:
+    """The tokens of `sample_with_logprobs` (int32 [B])."""
+    return sample_with_logprobs(logits, temperature, top_k, top_p, seeds, steps)[0]
