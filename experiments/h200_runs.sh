@@ -38,6 +38,14 @@
 #                                            # STEP_PROFILE_ARGS adds flags (e.g. "--programs decode" or "--trace-dir
 #                                            # $OUT/step_profile_traces" to keep the raw traces); the update needs
 #                                            # ml_collections (train_deps: carry .whl/)
+#   bash experiments/h200_runs.sh decode_gemm  # (~4 min) the grouped FP8 kernel's narrow split for decode (64-row blocks, a
+#                                            # column tile per warpgroup): its GPU bit tests, then gemm.py --suites decode
+#                                            # (the expert GEMMs of a decode step at 64 / 256 rows: default vs narrow split vs
+#                                            # our BF16 kernel, weight bytes against the copy bandwidth) -> $OUT/gemm_decode_h200.json
+#   bash experiments/h200_runs.sh profile_decode  # (~8 min) step_profile.py's decode program at 64 slots (rl_step's rollout:
+#                                            # 1k responses) and at 256 slots (rollout_workload), 6 layers, bf16 + fp8_block,
+#                                            # every kernel listed (--top 120) and the optimized HLO of decode_slots beside it
+#                                            # -> $OUT/step_profile_decode{64,256}_h200.json, $OUT/decode_hlo.tgz
 #   bash experiments/h200_runs.sh profile_accum  # (~4 min) the update as rl_step_accum runs it (16 rows x 1280 tokens,
 #                                            # micro-batches of 4, logit chunks of 2048), bf16 + fp8_block, its optimized
 #                                            # HLO beside it (fusion names -> source ops) -> $OUT/step_profile_update_accum_h200.json,
@@ -173,6 +181,21 @@ case "${1:-}" in
       2>&1 | quiet | tee "$OUT/step_profile_update_accum.log"
     mkdir -p /tmp/update_hlo_kept && cp /tmp/update_hlo/*_update*after_optimizations.txt /tmp/update_hlo_kept/ 2>/dev/null
     tar czf "$OUT/update_hlo.tgz" -C /tmp update_hlo_kept ;;
+  decode_gemm) timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_gemm_grouped.py -p no:cacheprovider \
+      2>&1 | tee "$OUT/decode_gemm_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
+    timeout 300 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_h200.json" 2>&1 | quiet \
+      | tee "$OUT/gemm_decode.log" ;;
+  profile_decode)
+    for slots in 64 256; do
+      len=$([ $slots = 64 ] && echo 1024 || echo 8192)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
+        XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/decode_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_slots" \
+        timeout "${2:-270}" $PY experiments/benchmarks/step_profile.py --programs decode --recipes bf16,fp8_block --layers 6 \
+        --slots $slots --max-len $len --top 120 --out "$OUT/step_profile_decode${slots}_h200.json" 2>&1 | quiet \
+        | tee "$OUT/step_profile_decode${slots}.log" | tail -30
+    done
+    mkdir -p /tmp/decode_hlo_kept && cp /tmp/decode_hlo/*decode_slots*after_optimizations.txt /tmp/decode_hlo_kept/ 2>/dev/null
+    tar czf "$OUT/decode_hlo.tgz" -C /tmp decode_hlo_kept ;;
   train_long) XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-540}" $PY experiments/benchmarks/train_step_long.py \
       --out "$OUT/train_step_long_h200.json" 2>&1 | quiet | tee "$OUT/train_step_long.log" ;;
   invariance) $PY experiments/checks/row_invariance.py --out "$OUT/row_invariance_h200.json" 2>&1 | quiet | tee "$OUT/invariance.log" ;;

@@ -46,8 +46,24 @@ class GemmConfig:
     grid_tile_width: int = 8
     grid_minor_dim: int = 1  # 0: walk M fastest inside a band, 1: walk N fastest
     k_blocks_per_step: int = 1
+    # "rows": the two compute warpgroups own tile_m rows each of a (2 * tile_m) x tile_n CTA tile; "cols": both
+    # multiply the same tile_m rows, each by its own tile_n columns of a tile_m x (2 * tile_n) tile. A row's
+    # arithmetic is the same wgmma shape either way (tile_m x tile_n per K block, promoted in K order), so the
+    # choice changes no bits; "cols" halves the rows a CTA multiplies, which is what a narrow row block wastes
+    # (MoE decode: a few rows per expert, the rest of a 128-row block belongs to other experts)
+    split: str = "rows"
+
+    @property
+    def cta_m(self) -> int:
+        return 2 * self.tile_m if self.split == "rows" else self.tile_m
+
+    @property
+    def cta_n(self) -> int:
+        return self.tile_n if self.split == "rows" else 2 * self.tile_n
 
     def check(self, k: int, where: str) -> None:
+        if self.split not in ("rows", "cols"):
+            raise ValueError(f"{where}: split must be 'rows' or 'cols'; got {self.split!r}")
         if self.k_blocks_per_step not in (1, 2):
             raise ValueError(f"{where}: k_blocks_per_step must be 1 or 2; got {self.k_blocks_per_step}")
         if k % (BLOCK_K * self.k_blocks_per_step):
@@ -90,13 +106,17 @@ def uses_row_scales(cfg: GemmConfig, b_rows_per_scale: int) -> bool:
 def b_scale_operand(b_scale, n: int, b_rows_per_scale: int, cfg: GemmConfig):
     """The B scales as the kernel loads them.
 
-    Row mode ([..., N/128, K/128] -> [..., N/128, KB, 2*tile_m]): each tile's block scale repeated once per
-    CTA row, so it loads in the same register layout as A's row scales and folds into them.
+    Row mode ([..., N/128, K/128] -> [..., N/cta_n, KB, 2*tile_m]): warpgroup w's weight block scale repeated
+    over entries [w*tile_m, (w+1)*tile_m), so it loads in the same register layout as A's row scales and folds
+    into them (split "rows": both warpgroups share the tile's block; "cols": each has the block of its columns).
     Column mode ([..., N/g, KB] -> [..., KB, N]): one scale per output column (wgrad's 1x128 scales, or
     tiles spanning several 128-row weight blocks).
     """
     s = jnp.asarray(b_scale, F32)
     if uses_row_scales(cfg, b_rows_per_scale):
+        if cfg.split == "cols":  # CTA column tile c = weight blocks 2c (warpgroup 0) and 2c + 1 (warpgroup 1)
+            pairs = jnp.swapaxes(s.reshape(*s.shape[:-2], s.shape[-2] // 2, 2, s.shape[-1]), -1, -2)
+            return jnp.broadcast_to(pairs[..., None], (*pairs.shape, cfg.tile_m)).reshape(*pairs.shape[:-1], 2 * cfg.tile_m)
         return jnp.broadcast_to(s[..., None], (*s.shape, 2 * cfg.tile_m))
     if b_rows_per_scale != 1:
         s = jnp.repeat(s, b_rows_per_scale, axis=-2)[..., :n, :]
@@ -106,19 +126,21 @@ def b_scale_operand(b_scale, n: int, b_rows_per_scale: int, cfg: GemmConfig):
 def scaled_tile_pipeline(cfg: GemmConfig, k_iters: int, row_scales: bool):
     """Returns the per-output-tile routine shared by the dense and the grouped kernels.
 
-    run(a_rows, b_rows, sa_rows, sb_rows, store, allocs): a_rows [2*tile_m, K] e4m3, b_rows [tile_n, K]
-    e4m3, sa_rows [KB, 2*tile_m] f32, sb_rows [KB, 2*tile_m] (row mode) or [KB, tile_n] (column mode) f32;
-    store(acc, wg) writes one compute warpgroup's float32 [tile_m, tile_n] result (rows wg*tile_m...).
+    run(a_rows, b_rows, sa_rows, sb_rows, store, allocs): a_rows [cta_m, K] e4m3, b_rows [cta_n, K]
+    e4m3, sa_rows [KB, cta_m] f32, sb_rows [KB, 2*tile_m] (row mode) or [KB, cta_n] (column mode) f32;
+    store(acc, wg) writes one compute warpgroup's float32 [tile_m, tile_n] result (split "rows": rows
+    wg*tile_m...; "cols": columns wg*tile_n...).
 
     Promotion of each K block's partial product p into the float32 accumulator:
         acc = acc + p * (sa[m] * sb[n])
     in row mode sa[m] * sb is one value per row (the tile lies inside one 128-row weight block).
     """
     tm, tn = cfg.tile_m, cfg.tile_n
+    cols = cfg.split == "cols"
     kps = cfg.k_blocks_per_step
     steps = k_iters // kps
     in_transforms = _swizzle_transforms(BLOCK_K, jnp.float8_e4m3fn)
-    sb_width = 2 * tm if row_scales else tn
+    sb_width = 2 * tm if row_scales else cfg.cta_n
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     def make(body, compute_context):
@@ -130,9 +152,9 @@ def scaled_tile_pipeline(cfg: GemmConfig, k_iters: int, row_scales: bool):
             grid=(steps,),
             memory_registers=40,
             in_specs=[
-                *[fp8_spec(2 * tm, j) for j in range(kps)],
-                *[fp8_spec(tn, j) for j in range(kps)],
-                plgpu.BlockSpec((kps, 2 * tm), lambda s: (s, 0)),
+                *[fp8_spec(cfg.cta_m, j) for j in range(kps)],
+                *[fp8_spec(cfg.cta_n, j) for j in range(kps)],
+                plgpu.BlockSpec((kps, cfg.cta_m), lambda s: (s, 0)),
                 plgpu.BlockSpec((kps, sb_width), lambda s: (s, 0)),
             ],
             wg_axis="wg",
@@ -147,14 +169,16 @@ def scaled_tile_pipeline(cfg: GemmConfig, k_iters: int, row_scales: bool):
 
     def run(a_rows, b_rows, sa_rows, sb_rows, store, allocs):
         wg = lax.axis_index("wg")
-        rows = pl.ds(wg * tm, tm)
+        rows = pl.ds(0, tm) if cols else pl.ds(wg * tm, tm)  # the A rows this warpgroup multiplies
+        b_cols = pl.ds(wg * tn, tn)  # its B rows (output columns) under split "cols"
+        own = pl.ds(wg * tm, tm)  # its entries of the row-mode B scales (b_scale_operand)
 
         def scale(sa_smem, sb_smem, j):
             """The block's combined scale: [tm] (row mode, broadcast later) or [tm, tn] (column mode)."""
             sa = plgpu.load(sa_smem.at[j, rows], layout=row_layout)
             if row_scales:
-                return sa * plgpu.load(sb_smem.at[j, rows], layout=row_layout)
-            sb = plgpu.load(sb_smem.at[j], layout=col_layout)
+                return sa * plgpu.load(sb_smem.at[j, own], layout=row_layout)
+            sb = plgpu.load(sb_smem.at[j, b_cols] if cols else sb_smem.at[j], layout=col_layout)
             return lax.broadcast_in_dim(sa, (tm, tn), [0]) * lax.broadcast_in_dim(sb, (tm, tn), [1])
 
         def promote(acc, partial, s):
@@ -163,7 +187,7 @@ def scaled_tile_pipeline(cfg: GemmConfig, k_iters: int, row_scales: bool):
             return acc + partial * s
 
         def mma(acc_ref, a_smem, b_smem):
-            plgpu.wgmma(acc_ref, a_smem.at[rows], b_smem.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, a_smem.at[rows], (b_smem.at[b_cols] if cols else b_smem).transpose((1, 0)))
 
         def body(_, *refs):
             """k_blocks_per_step blocks per step, all wgmmas issued before the first promotion."""
@@ -217,9 +241,9 @@ def tile_store(out_tile, out_smem, tile_m: int):
     return store
 
 
-def tile_scales(sb_gmem, ni, tile_n: int, row_scales: bool):
-    """The B scales of output column tile ni: its weight block's (row mode) or its columns' (column mode)."""
-    return sb_gmem.at[ni] if row_scales else sb_gmem.at[:, pl.ds(ni * tile_n, tile_n)]
+def tile_scales(sb_gmem, ni, cta_n: int, row_scales: bool):
+    """The B scales of output column tile ni (cta_n wide): its weight blocks' (row mode) or its columns' (column mode)."""
+    return sb_gmem.at[ni] if row_scales else sb_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
 
 
 def _dense_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, row_scales: bool):
@@ -291,6 +315,8 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 1
     n = b_q.shape[0]
     cfg = config or default_config(n, k)
     cfg.check(k, "gemm_dense.block_scaled_matmul")
+    if cfg.split != "rows":
+        raise ValueError(f"gemm_dense.block_scaled_matmul: split {cfg.split!r} is the grouped kernel's; the dense kernel splits rows")
     row_scales = uses_row_scales(cfg, b_rows_per_scale)
     cta_m = 2 * cfg.tile_m
     mp = -(-m // cta_m) * cta_m

@@ -40,6 +40,11 @@ GROUP, BLOCK, OFFSET, SIZE = range(4)
 # (772 vs 742 and 820 vs 753 TFLOP/s; once equal, 792 vs 798), and it is what down (K = 768) always used. The
 # promotion order is the same, so the bits are too.
 DEFAULT_CONFIG = GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
+# Groups of a few rows (MoE decode: 64 rows x top-8 over 128 experts is 4 rows an expert): 64-row blocks, each
+# compute warpgroup on its own 128 columns, so a CTA multiplies half the rows of a 128-row block for the same
+# weight bytes. Three stages: 40 KB each (A 64 x 128 + B 256 x 128 e4m3) beside the float32 staging tile (64 KB).
+# Same bits as DEFAULT_CONFIG (test_gemm_grouped); not yet measured on the H200 (`gemm.py --suites decode`).
+NARROW_CONFIG = GemmConfig(max_concurrent_steps=3, grid_tile_width=16, grid_minor_dim=0, split="cols")
 
 
 def work_items(group_sizes, m: int, tile: int):
@@ -70,11 +75,16 @@ def work_items(group_sizes, m: int, tile: int):
     return jnp.stack([group, jnp.where(used, block, 0), lo - block * tile, size])
 
 
-def masked_store(out_rows, out_smem, tile_m: int, offset, size):
-    """Epilogue storing only rows [offset, offset + size) of a 2*tile_m-row block (power-of-two TMA stores)."""
+def masked_store(out_rows, out_smem, tile_m: int, offset, size, split: str = "rows"):
+    """Epilogue storing only rows [offset, offset + size) of a CTA's row block (power-of-two TMA stores).
+
+    split "rows": the block is 2*tile_m rows, warpgroup w holds rows w*tile_m...; "cols": it is tile_m rows and
+    warpgroup w holds its columns w*tile_n... (out_rows is then tile_m x 2*tile_n)."""
+    tile_n = out_smem.shape[-1]
 
     def store(acc, wg):
-        base = wg * tile_m
+        base = wg * tile_m if split == "rows" else 0
+        dst = out_rows if split == "rows" else out_rows.at[:, pl.ds(wg * tile_n, tile_n)]
         lo = jnp.clip(offset - base, 0, tile_m)
         hi = jnp.clip(offset + size - base, 0, tile_m)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -86,7 +96,7 @@ def masked_store(out_rows, out_smem, tile_m: int, offset, size):
 
             @pl.when((count & rows) != 0)
             def _(rows=rows, start=start):
-                plgpu.copy_smem_to_gmem(out_smem.at[wg, pl.ds(start, rows)], out_rows.at[pl.ds(base + start, rows)])
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, pl.ds(start, rows)], dst.at[pl.ds(base + start, rows)])
 
             start = start + (count & rows)
             rows //= 2
@@ -99,22 +109,25 @@ def staging_smem(cfg, dtype):
     return plgpu.SMEM((2, cfg.tile_m, cfg.tile_n), dtype)
 
 
-def walk_items(items_gmem, o_gmem, out_smem, cfg, run_tile):
+def walk_items(items_gmem, o_gmem, out_smem, cfg, run_tile, split: str = "rows"):
     """The persistent walk of the grouped kernels over (work item, output column tile).
 
     run_tile(group, row block, column tile, store) computes an item of a real group; `store` writes only that
     item's rows (row blocks past M are cropped there; A was padded to whole blocks). Items of the tail past
-    the groups store zeros. out_smem: a `staging_smem` tile.
+    the groups store zeros. out_smem: a `staging_smem` tile. split: how the CTA tile is shared by the two
+    compute warpgroups (`GemmConfig.split`): row blocks of 2*tile_m rows and tile_n-wide column tiles, or of
+    tile_m rows and 2*tile_n columns.
     """
     tm, tn = cfg.tile_m, cfg.tile_n
-    cta_m = 2 * tm
-    t_iters, n_iters = items_gmem.shape[1], o_gmem.shape[1] // tn
+    cta_m, cta_n = (2 * tm, tn) if split == "rows" else (tm, 2 * tn)
+    t_iters, n_iters = items_gmem.shape[1], o_gmem.shape[1] // cta_n
 
     @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm")
     def _tiles(info):
         ti, ni = plgpu.planar_snake(info.index[0], (t_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
         g, blk, offset, size = (items_gmem[f, ti] for f in (GROUP, BLOCK, OFFSET, SIZE))
-        store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * tn, tn)], out_smem, tm, offset, size)
+        store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)], out_smem, tm, offset, size,
+                             split)
 
         @pl.when((size > 0) & (g >= 0))
         def _():
@@ -126,22 +139,22 @@ def walk_items(items_gmem, o_gmem, out_smem, cfg, run_tile):
 
 
 def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, row_scales: bool):
-    cta_m, tn = 2 * cfg.tile_m, cfg.tile_n
+    cta_m, cta_n = cfg.cta_m, cfg.cta_n
     allocations, run = scaled_tile_pipeline(cfg, a_gmem.shape[1] // BLOCK_K, row_scales)
 
     @functools.partial(
         pl.run_scoped,
-        allocs=allocations(a_gmem, b_gmem.at[0], sa_gmem, tile_scales(sb_gmem.at[0], 0, tn, row_scales)),
+        allocs=allocations(a_gmem, b_gmem.at[0], sa_gmem, tile_scales(sb_gmem.at[0], 0, cta_n, row_scales)),
         out_smem=staging_smem(cfg, o_gmem.dtype),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
         def run_tile(g, blk, ni, store):
             ms = pl.ds(blk * cta_m, cta_m)
-            sb = tile_scales(sb_gmem.at[g], ni, tn, row_scales)
-            run(a_gmem.at[ms], b_gmem.at[g, pl.ds(ni * tn, tn)], sa_gmem.at[:, ms], sb, store, allocs)
+            sb = tile_scales(sb_gmem.at[g], ni, cta_n, row_scales)
+            run(a_gmem.at[ms], b_gmem.at[g, pl.ds(ni * cta_n, cta_n)], sa_gmem.at[:, ms], sb, store, allocs)
 
-        walk_items(items_gmem, o_gmem, out_smem, cfg, run_tile)
+        walk_items(items_gmem, o_gmem, out_smem, cfg, run_tile, cfg.split)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -159,7 +172,9 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_
         raise ValueError(f"gemm_grouped: group_sizes must be [{e}]; got {group_sizes.shape}")
     cfg = config or DEFAULT_CONFIG
     cfg.check(k, "gemm_grouped.grouped_block_scaled_matmul")
-    tile = 2 * cfg.tile_m
+    if n % cfg.cta_n:
+        raise ValueError(f"gemm_grouped: N={n} is not a multiple of the CTA tile's {cfg.cta_n} columns (split {cfg.split!r})")
+    tile = cfg.cta_m
     items = work_items(group_sizes, m, tile)
     mp = -(-m // tile) * tile
     a = jnp.pad(a_q, [(0, mp - m), (0, 0)]) if mp != m else a_q  # a copy only when M is not whole blocks

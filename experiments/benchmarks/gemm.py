@@ -8,7 +8,7 @@ process); a device-to-device copy for the bandwidth ceiling. Correctness of ever
 checked against a float64 block-math reference on a slice of rows. Prints a table, writes JSON.
 
     PYTHONPATH=src:. python3 experiments/benchmarks/gemm.py --out results/gemm_h200.json [--quick]
-        [--suites dense,moe,linear,wgrad,torch] [--baseline path/to/previous/gemm_dense.py]
+        [--suites dense,moe,decode,linear,wgrad,torch] [--baseline path/to/previous/gemm_dense.py]
 
 `--baseline` times a previous version of the dense kernel module (same API) in the same run, so a change's
 effect is measured against the same machine state.
@@ -68,8 +68,9 @@ def check_rows(y, xq, sa, wq, sb, rows=256):
 
 def cfg_label(cfg) -> str:
     kps = getattr(cfg, "k_blocks_per_step", 1)
-    extra = f" k{kps}"
-    return f"{cfg.tile_m*2}x{cfg.tile_n} s{cfg.max_concurrent_steps} w{cfg.grid_tile_width} minor{cfg.grid_minor_dim}{extra}"
+    extra = f" k{kps}" + (f" split-{cfg.split}" if getattr(cfg, "split", "rows") != "rows" else "")
+    cta_m, cta_n = getattr(cfg, "cta_m", cfg.tile_m * 2), getattr(cfg, "cta_n", cfg.tile_n)
+    return f"{cta_m}x{cta_n} s{cfg.max_concurrent_steps} w{cfg.grid_tile_width} minor{cfg.grid_minor_dim}{extra}"
 
 
 def load_module(path):
@@ -149,6 +150,54 @@ def moe_suite(configs, quick):
                 err = check_rows(y[:s0], xq[:s0], sa[:s0], wq[0], sb[0])
                 record(f"ours_grouped {name} {cfg_label(cfg)}", (m, n, k, e), flops, bench(f, xq, sa, wq, sb, sizes), err=f"relerr={err:.2e}", config=str(cfg))
             try_run(f"ours_grouped {name} {cfg}", one)
+
+
+def decode_routing(tokens: int, e: int, k: int, seed: int = 0):
+    """Expert-sorted group sizes of `tokens` decode rows routed top-k (k distinct experts each, uniform)."""
+    rng = np.random.default_rng(seed)
+    experts = np.argsort(rng.random((tokens, e)), axis=1)[:, :k]
+    return jnp.asarray(np.bincount(experts.reshape(-1), minlength=e), jnp.int32)
+
+
+def moe_decode_suite(copy_tbps):
+    """The expert GEMMs of one decode step (Qwen3-30B-A3B: 128 experts top-8, gate / up N = 768, K = 2048; down
+    N = 2048, K = 768) at 64 and 256 rows: a few rows an expert, so the weight bytes are the cost. Our grouped FP8
+    kernel's default 128-row blocks against its narrow split (64-row blocks, a column tile per warpgroup; bits
+    compared), our BF16 grouped kernel as the BF16 recipe's anchor; bandwidth = bytes of the touched experts'
+    weights (+ scales) / median time, against the copy bandwidth measured in the same run."""
+    from pallas_kernels import gemm_grouped_bf16 as GB
+    e, topk = 128, 8
+    for rows in (64, 256):
+        sizes = decode_routing(rows, e, topk)
+        touched = int(jnp.sum(sizes > 0))
+        m = rows * topk
+        for name, n, k in [("gate", 768, 2048), ("down", 2048, 768)]:
+            flops = 2 * m * n * k
+            x16, w16 = rand(9, (m, k), jnp.bfloat16), rand(10, (e, n, k), jnp.bfloat16, 0.05)
+            xq, sa = quantize_fp8_per_token_group(x16, 128)
+            wq, sb = quantize_fp8_per_block(w16, (128, 128))
+            label = f"{name} decode {rows} rows"
+            first = {}
+            for cfg in (gemm_grouped.DEFAULT_CONFIG, gemm_grouped.NARROW_CONFIG):
+                def one(cfg=cfg):
+                    f = jax.jit(functools.partial(gemm_grouped.grouped_block_scaled_matmul, out_dtype=jnp.bfloat16, config=cfg))
+                    y32 = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, sizes, config=cfg)
+                    same = bool(jnp.all(jax.lax.bitcast_convert_type(y32, jnp.uint32) ==
+                                        jax.lax.bitcast_convert_type(first.setdefault("y", y32), jnp.uint32)))
+                    t = bench(f, xq, sa, wq, sb, sizes)
+                    nbytes = touched * n * k * (1 + 4 / (128 * 128))
+                    record(f"ours_grouped_fp8 {label} {cfg_label(cfg)}", (m, n, k, e), flops, t, config=str(cfg),
+                           bitwise_vs_default=same, weight_bytes=nbytes, tb_per_s=nbytes / t[0] / 1e12,
+                           fraction_of_copy=nbytes / t[0] / 1e12 / copy_tbps if copy_tbps else None)
+                try_run(f"ours_grouped_fp8 {label} {cfg}", one)
+
+            def bf16():
+                f = jax.jit(functools.partial(GB.grouped_matmul, out_dtype=jnp.bfloat16))
+                t = bench(f, x16, w16, sizes)
+                nbytes = touched * n * k * 2
+                record(f"ours_grouped_bf16 {label}", (m, n, k, e), flops, t, weight_bytes=nbytes, tb_per_s=nbytes / t[0] / 1e12,
+                       fraction_of_copy=nbytes / t[0] / 1e12 / copy_tbps if copy_tbps else None)
+            try_run(f"ours_grouped_bf16 {label}", bf16)
 
 
 WGRAD_CONFIGS = None  # filled in main(): the persistent kernel's candidate tilings, default first
@@ -300,7 +349,8 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer variants (first device call)")
     p.add_argument("--suites", default="dense,moe,linear,torch",
-                   help="comma-separated subset of dense,moe,linear,wgrad,torch (wgrad: the MoE weight gradients alone; "
+                   help="comma-separated subset of dense,moe,decode,linear,wgrad,torch (wgrad: the MoE weight gradients alone; "
+                        "decode: the expert GEMMs of a decode step at 64 / 256 rows, both splits of the grouped kernel; "
                         "torch: torch_anchors.py next to our default kernels at the same shapes)")
     p.add_argument("--baseline", default=None, help="path of a previous gemm_dense.py to time in the same run")
     args = p.parse_args(argv)
@@ -323,6 +373,10 @@ def main(argv=None):
     # written after every suite, so a run stopped at a time limit keeps what it measured
     save = lambda: write_results(args.out, dict(meta=meta, results=RESULTS))
     try_run("copy", copy_bandwidth)
+    copy_tbps = next((r["tb_per_s"] for r in RESULTS if "tb_per_s" in r), None)
+    if "decode" in suites:
+        moe_decode_suite(copy_tbps)
+        save()
     if "dense" in suites:
         dense_suite(8192, 8192, 8192, dense_cfgs, "8192^3", baseline)
         dense_suite(4096, 7168, 16384, dense_cfgs[:3], "4096x7168x16384", baseline)

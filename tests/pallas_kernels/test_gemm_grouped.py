@@ -8,7 +8,12 @@ import pytest
 from jaxrl_fp8.ops import reference as R
 from jaxrl_fp8.precision.fp8 import quantize_fp8_per_block, quantize_fp8_per_token_group
 from pallas_kernels import gemm_grouped
+from pallas_kernels.gemm_dense import GemmConfig
 from tests.pallas_kernels.moe_data import EXPERTS, ROWS, ragged_sizes
+
+# Both ways the two compute warpgroups share a CTA tile: 128-row blocks (the default), and 64-row blocks with a
+# column tile each (gemm_grouped.NARROW_CONFIG, for groups of a few rows).
+SPLITS = pytest.mark.parametrize("config", [None, gemm_grouped.NARROW_CONFIG], ids=["rows", "cols"])
 
 
 def _operands(seed, m, e, n, k):
@@ -35,19 +40,21 @@ def test_work_items_cover_every_row_once():
         np.testing.assert_array_equal(owner, want)
 
 
-def test_interpret_ragged_groups_with_empty_experts():
-    xq, sa, wq, sb = _operands(0, 150, 4, 128, 256)
+@SPLITS
+def test_interpret_ragged_groups_with_empty_experts(config):
+    xq, sa, wq, sb = _operands(0, 150, 4, 256, 256)
     gs = jnp.asarray([30, 0, 100, 10], jnp.int32)
-    y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True)
+    y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True, config=config)
     assert R.rel_err(y, R.grouped_block_scaled_matmul(xq, sa, wq, sb, gs)) < 1e-6
     assert np.all(np.asarray(y)[140:] == 0)
 
 
-def test_interpret_groups_straddling_blocks_and_partial_last_block():
+@SPLITS
+def test_interpret_groups_straddling_blocks_and_partial_last_block(config):
     """Group boundaries off the 128-row grid, a group spanning three blocks, M not a multiple of 128."""
     xq, sa, wq, sb = _operands(3, 300, 5, 256, 256)
     gs = jnp.asarray([0, 129, 0, 150, 0], jnp.int32)
-    y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True)
+    y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True, config=config)
     assert y.shape == (300, 256)
     assert R.rel_err(y, R.grouped_block_scaled_matmul(xq, sa, wq, sb, gs)) < 1e-6
     assert np.all(np.asarray(y)[279:] == 0)
@@ -63,10 +70,37 @@ def test_interpret_row_invariance_across_block_offsets():
     np.testing.assert_array_equal(shifted, full[50:])
 
 
-def test_interpret_single_row():
-    xq, sa, wq, sb = _operands(1, 1, 3, 128, 128)
+def test_interpret_narrow_split_gives_the_default_bits():
+    """64-row blocks with a column tile per warpgroup: the same wgmma shape per row, so the same bits as the
+    default 128-row blocks; decode-like routing (a few rows per expert, empty experts), N of two column tiles.
+    (A 64-row block is a half of a 128-row block, so each warpgroup multiplies the same 64 x 128 operand tiles in
+    both splits: exact on any CPU, unlike `test_interpret_row_invariance_across_block_offsets`.)"""
+    rng = np.random.default_rng(9)
+    xq, sa, wq, sb = _operands(5, 90, 12, 512, 256)
+    sizes = rng.multinomial(85, np.ones(12) / 12)
+    sizes[[2, 7]] = 0
+    gs = jnp.asarray(sizes, jnp.int32)
+    rows = np.asarray(gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True))
+    cols = np.asarray(gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True, config=gemm_grouped.NARROW_CONFIG))
+    np.testing.assert_array_equal(cols, rows)
+    assert np.all(cols[85:] == 0)
+
+
+def test_narrow_split_needs_two_column_tiles():
+    xq, sa, wq, sb = _operands(6, 10, 2, 384, 128)
+    with pytest.raises(ValueError, match="multiple of the CTA tile's 256 columns"):
+        gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, jnp.asarray([4, 6], jnp.int32), interpret=True,
+                                                 config=gemm_grouped.NARROW_CONFIG)
+    with pytest.raises(ValueError, match="split"):
+        gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, jnp.asarray([4, 6], jnp.int32), interpret=True,
+                                                 config=GemmConfig(split="diagonal"))
+
+
+@SPLITS
+def test_interpret_single_row(config):
+    xq, sa, wq, sb = _operands(1, 1, 3, 256, 128)
     gs = jnp.asarray([0, 1, 0], jnp.int32)
-    y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True)
+    y = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True, config=config)
     assert R.rel_err(y, R.grouped_block_scaled_matmul(xq, sa, wq, sb, gs)) < 1e-6
 
 
@@ -86,3 +120,24 @@ def test_gpu_moe_shapes(n, k):
     # row invariance: the first rows of expert 0 alone give the same bits
     alone = gemm_grouped.grouped_block_scaled_matmul(xq[:5], sa[:5], wq, sb, jnp.asarray([5] + [0] * (e - 1), jnp.int32))
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(y32)[:5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 256])
+@pytest.mark.parametrize("n,k", [(768, 2048), (2048, 768)])
+def test_gpu_narrow_split_decode_routing(rows, n, k):
+    """A decode step's expert GEMMs (128 experts, top-8: a few rows an expert, most experts touched): the narrow
+    split gives the default split's float32 bits, and a row alone its bits in the batch."""
+    e, topk = 128, 8
+    rng = np.random.default_rng(rows)
+    experts = np.argsort(rng.random((rows, e)), axis=1)[:, :topk]
+    gs = jnp.asarray(np.bincount(experts.reshape(-1), minlength=e), jnp.int32)
+    xq, sa, wq, sb = _operands(7, rows * topk, e, n, k)
+    default = np.asarray(gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs))
+    narrow = np.asarray(gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, config=gemm_grouped.NARROW_CONFIG))
+    np.testing.assert_array_equal(narrow.view(np.uint32), default.view(np.uint32))
+    assert R.rel_err(narrow, R.grouped_block_scaled_matmul(xq, sa, wq, sb, gs)) < 1e-3
+    first = int(np.argmax(np.asarray(gs) > 0))
+    alone = gemm_grouped.grouped_block_scaled_matmul(xq[:1], sa[:1], wq, sb, jnp.zeros((e,), jnp.int32).at[first].set(1),
+                                                     config=gemm_grouped.NARROW_CONFIG)
+    np.testing.assert_array_equal(np.asarray(alone).view(np.uint32), default[:1].view(np.uint32))
