@@ -171,3 +171,40 @@ def test_masters_are_cast_once_outside_the_micro_batch_loop():
     # the gradient comes back to the masters in float32
     _, _, grads = jax.jit(t._grads)(t.params, mb, jnp.float32(mb["mask"].sum()))
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("backward", ["fp8", "high_precision"])
+def test_fp8_block_weights_are_quantized_once_per_update(backward):
+    """fp8-block: the trainer quantizes each projection weight once per update (`Trainer._prepared`), outside the
+    micro-batch scan, and once for all log-prob chunks; the loss, metrics, gradients and log-probs keep the bits of
+    quantizing inside every forward (ops' own quantizer on the same values)."""
+    from jaxrl_fp8.ops.operands import PreparedWeight
+
+    t = _trainer(2, LOSSES["token_mean_tis"])
+    cfg = t.cfg
+    t.train_policy = PrecisionPolicy.for_format("fp8-block", num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts)
+    t.s = dataclasses.replace(t.s, compute_dtype=jnp.bfloat16, backward=backward, logprob_chunk_rows=3)
+    mb = {k: jnp.asarray(v) for k, v in _minibatch(t.cfg).items()}
+    n = jnp.float32(mb["mask"].sum())
+    prepared = t._prepared(t._cast(t.params))
+    kinds = {loader_path: isinstance(v, PreparedWeight) for loader_path, v in _flat(prepared)}
+    assert kinds["layers.0.attn.q_proj.weight"] and kinds["layers.0.moe.gate_proj.weight"]
+    assert not kinds["layers.0.moe.router.weight"] and not kinds["lm_head.weight"] and not kinds["embed.embedding"]
+    closed = jax.make_jaxpr(t._grads)(t.params, mb, n)
+    (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    assert any(v.aval.dtype == jnp.float8_e4m3fn for v in scan.invars)  # the loop closes over the quantized weights
+    got = jax.jit(t._grads)(t.params, mb, n)
+    got_logp = t.old_logprobs(t.params, mb["tokens"], mb["routed"])
+    t._prepared = lambda compute: compute  # ops quantize inside every forward, as without the preparation
+    t._cast_jit = jax.jit(t._cast)
+    want = jax.jit(t._grads)(t.params, mb, n)
+    want_logp = t.old_logprobs(t.params, mb["tokens"], mb["routed"])
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8), np.atleast_1d(np.asarray(b)).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got_logp).view(np.uint32), np.asarray(want_logp).view(np.uint32))
+
+
+def _flat(state):
+    from jaxrl_fp8.model import loader
+
+    return [(loader.trainer_path(path), var.get_value()) for path, var in nnx.to_flat_state(state)]

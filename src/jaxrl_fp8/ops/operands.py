@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +23,45 @@ def check_args(fmt: str, backward: str, where: str) -> None:
         raise ValueError(f"{where}: backward mode {backward!r} is unknown; expected one of {', '.join(BACKWARD_MODES)}")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PreparedWeight:
+    """A compute weight together with its fp8-block operands, made once by `prepare_fp8_weight`.
+
+    Why: ops quantize a weight inside every forward, and a trainer's update runs one forward per micro-batch (its
+    log-prob phase one per chunk of rows) on the same weights, which XLA does not hoist out of the loop. Handing
+    ops a PreparedWeight makes the quantization once per update: ops take (q, scale) as they are, and the
+    gradient flows to `value` as it would to the plain weight (straight through the quantizer); q and scale get
+    zero cotangents. Same bits as quantizing in place (the same `fp8_weight` call on the same values)."""
+
+    value: jax.Array  # [..., N, K] the compute weight (BF16 in training)
+    q: jax.Array  # e4m3, value's shape
+    scale: jax.Array  # float32 [..., N/128, K/128]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+    @property
+    def dtype(self):
+        return self.value.dtype
+
+
+def prepare_fp8_weight(w, backend: str | None = None) -> PreparedWeight:
+    """`w` with its 128x128-block FP8 operands (`fp8_weight`, on the backend ops would pick for its shape)."""
+    from jaxrl_fp8.ops import backends
+
+    be = backends.resolve(backend, F.FP8_BLOCK, *jnp.shape(w)[-2:])
+    return PreparedWeight(w, *fp8_weight(w, be))
+
+
 def check_weight(w, fmt: str, k: int, weight_ndim: int, where: str) -> tuple[int, ...]:
     """Validates w against x's K and the format; returns w's logical shape."""
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, PreparedWeight):
+        if fmt != F.FP8_BLOCK:
+            raise ValueError(f"{where}: weight is prepared for fp8-block but fmt={fmt!r}")
+        shape = w.shape
+    elif isinstance(w, QuantizedWeight):
         if w.fmt != fmt:
             raise ValueError(f"{where}: weight is a QuantizedWeight in {w.fmt!r} but fmt={fmt!r}; pass fmt={w.fmt!r}")
         shape = w.shape
@@ -73,7 +111,9 @@ def fp8_act_transposed(x, backend: str | None = None):
 
 
 def fp8_weight(w, backend: str | None = None):
-    """(q, 128x128 scale_inv) of a master weight or an fp8-block QuantizedWeight."""
+    """(q, 128x128 scale_inv) of a master weight, a PreparedWeight or an fp8-block QuantizedWeight."""
+    if isinstance(w, PreparedWeight):
+        return w.q, w.scale
     if isinstance(w, QuantizedWeight):
         if w.fmt == F.FP8_BLOCK:
             return w.data, w.scale
@@ -94,6 +134,8 @@ def emulated_operands(x, w, fmt: str):
 
 def weight_values(w):
     """The weight as float32 values: the master itself, or a QuantizedWeight's dequantized values."""
+    if isinstance(w, PreparedWeight):
+        return w.value
     return w.dequantize(F32) if isinstance(w, QuantizedWeight) else jnp.asarray(w)
 
 
@@ -110,7 +152,10 @@ def zero_cotangent(w):
 
 
 def master_cotangent(w, dw):
-    """dW for the master weight (straight-through the quantizer); QuantizedWeight inputs get zeros."""
+    """dW for the master weight (straight-through the quantizer); QuantizedWeight inputs get zeros, a
+    PreparedWeight dW for its value and zeros for its operands."""
+    if isinstance(w, PreparedWeight):
+        return PreparedWeight(dw.astype(w.value.dtype), zero_cotangent(w.q), zero_cotangent(w.scale))
     if isinstance(w, QuantizedWeight):
         return zero_cotangent(w)
     return dw.astype(jnp.asarray(w).dtype)

@@ -23,6 +23,9 @@ import optax
 from flax import nnx
 
 from jaxrl_fp8 import distributed
+from jaxrl_fp8.model import loader
+from jaxrl_fp8.ops.operands import PreparedWeight, prepare_fp8_weight
+from jaxrl_fp8.precision import formats as F
 from jaxrl_fp8.rl import advantages as adv_lib
 from jaxrl_fp8.rl.batch import TrainBatch, build_batch
 from jaxrl_fp8.rl.losses import PolicyLossConfig, combine_micro_metrics, policy_loss
@@ -132,7 +135,7 @@ class Trainer:
         self.skipped_updates = 0
         self._push = push_weights
         self._version_prefix = rollout_version_prefix
-        self._cast_jit = jax.jit(self._cast)
+        self._cast_jit = jax.jit(lambda p: self._prepared(self._cast(p)))
         self._logprob_jit = jax.jit(self._logprobs)
         self._update_jit = jax.jit(self._update, donate_argnums=self.UPDATE_DONATED)
 
@@ -150,7 +153,39 @@ class Trainer:
         return self._constrain(self._cast(params))
 
     def _cast(self, params):
-        return jax.tree.map(lambda x: x.astype(self.s.compute_dtype), params)
+        """Masters in the compute dtype (weights already prepared, `_prepared`, pass through)."""
+        cast = lambda x: x if isinstance(x, PreparedWeight) else x.astype(self.s.compute_dtype)  # noqa: E731
+        return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, PreparedWeight))
+
+    def _quantized_in_fp8_block(self, trainer_path: str) -> bool:
+        """True for the weights the forward multiplies in fp8-block (the model asks the policy the same way)."""
+        if self.train_policy is None or not trainer_path.endswith(".weight"):
+            return False
+        try:
+            return self.train_policy.format_for_trainer(trainer_path) == F.FP8_BLOCK
+        except (KeyError, ValueError):  # not a projection of the name table (norms, embeddings)
+            return False
+
+    def _prepared(self, compute):
+        """`compute` with every fp8-block weight quantized once (`ops.operands.PreparedWeight`), so the update's
+        micro-batch forwards and the log-prob phase's chunks reuse one quantization of the weights instead of each
+        making its own (XLA does not hoist it out of the scan). The same quantizer on the same values: the same
+        bits. Single device: a sharding plan constrains plain arrays, and there ops quantize in place."""
+        if self.plan is not None:
+            return compute
+        items = []
+        for path, var in nnx.to_flat_state(compute):
+            value = var.get_value()
+            if self._quantized_in_fp8_block(loader.trainer_path(path)) and not isinstance(value, PreparedWeight):
+                value = prepare_fp8_weight(value)
+            items.append((path, var.replace(value)))
+        return nnx.from_flat_state(items)
+
+    @staticmethod
+    def _unprepared(grads):
+        """Gradients with respect to prepared weights -> with respect to their values (the operands' are zero)."""
+        return jax.tree.map(lambda g: g.value if isinstance(g, PreparedWeight) else g, grads,
+                            is_leaf=lambda x: isinstance(x, PreparedWeight))
 
     def _constrain(self, compute):
         return compute if self.plan is None else self.plan.constrain_compute(compute)
@@ -185,9 +220,9 @@ class Trainer:
         out of the scan: on the H200 they were rerun for every micro-batch); the gradient with respect to a master
         is its cast's (the transpose of a cast is the cast back), so it is the same as differentiating the cast."""
         rows, micro = int(mb["tokens"].shape[0]), self.s.micro_batch_rows
-        compute = self._cast(params)
+        compute = self._prepared(self._cast(params))
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-        to_masters = lambda g: jax.tree.map(lambda gc, p: gc.astype(p.dtype), g, params)  # noqa: E731
+        to_masters = lambda g: jax.tree.map(lambda gc, p: gc.astype(p.dtype), self._unprepared(g), params)  # noqa: E731
         if micro <= 0 or micro >= rows:
             (loss, metrics), grads = grad_fn(compute, mb, num_tokens)
             return loss, metrics, to_masters(grads)
@@ -270,7 +305,7 @@ class Trainer:
     def old_logprobs(self, params, tokens, routed):
         """Log-probs of `tokens` under `params` (training format, R3 replay), in chunks of `logprob_chunk_rows` rows."""
         n, chunk = int(tokens.shape[0]), self.s.logprob_chunk_rows
-        compute = self._cast_jit(params)  # once for all chunks
+        compute = self._cast_jit(params)  # cast and fp8-block weights quantized once for all chunks
         if chunk <= 0 or chunk >= n or jax.process_count() > 1:
             return self._logprob_jit(compute, tokens, routed)
         parts = []
