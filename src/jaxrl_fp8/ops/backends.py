@@ -15,7 +15,7 @@ import functools
 
 import jax
 
-from jaxrl_fp8.ops import grouping
+from jaxrl_fp8.ops import grouping, operands
 
 BACKENDS = ("xla", "mosaic", "interpret")
 
@@ -91,3 +91,10 @@ def bf16_grouped_matmul(x, w, group_sizes, *, backend: str, layout: str = "nk"):
     return gemm_grouped_bf16.grouped_matmul(
         x.astype(bf16), w.astype(bf16), group_sizes, layout=layout, interpret=backend == "interpret"
     )
+
+
+def prepare_fp8_weight(w, backend: str | None = None):
+    """`w` [..., N, K] with its 128x128-block FP8 operands made on the backend ops would pick for its shape: an
+    `operands.PreparedWeight` (its quantization then runs once, not in every forward that multiplies it)."""
+    be = resolve(backend, "fp8-block", *jax.numpy.shape(w)[-2:])
+    return operands.PreparedWeight(w, *operands.fp8_weight(w, be))

@@ -26,7 +26,7 @@ def check_args(fmt: str, backward: str, where: str) -> None:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PreparedWeight:
-    """A compute weight together with its fp8-block operands, made once by `prepare_fp8_weight`.
+    """A compute weight together with its fp8-block operands, made once by `backends.prepare_fp8_weight`.
 
     Why: ops quantize a weight inside every forward, and a trainer's update runs one forward per micro-batch (its
     log-prob phase one per chunk of rows) on the same weights, which XLA does not hoist out of the loop. Handing
@@ -45,14 +45,6 @@ class PreparedWeight:
     @property
     def dtype(self):
         return self.value.dtype
-
-
-def prepare_fp8_weight(w, backend: str | None = None) -> PreparedWeight:
-    """`w` with its 128x128-block FP8 operands (`fp8_weight`, on the backend ops would pick for its shape)."""
-    from jaxrl_fp8.ops import backends
-
-    be = backends.resolve(backend, F.FP8_BLOCK, *jnp.shape(w)[-2:])
-    return PreparedWeight(w, *fp8_weight(w, be))
 
 
 def check_weight(w, fmt: str, k: int, weight_ndim: int, where: str) -> tuple[int, ...]:

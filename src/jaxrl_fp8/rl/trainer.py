@@ -24,7 +24,8 @@ from flax import nnx
 
 from jaxrl_fp8 import distributed
 from jaxrl_fp8.model import loader
-from jaxrl_fp8.ops.operands import PreparedWeight, prepare_fp8_weight
+from jaxrl_fp8.ops.backends import prepare_fp8_weight
+from jaxrl_fp8.ops.operands import PreparedWeight
 from jaxrl_fp8.precision import formats as F
 from jaxrl_fp8.rl import advantages as adv_lib
 from jaxrl_fp8.rl.batch import TrainBatch, build_batch
