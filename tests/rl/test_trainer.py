@@ -190,6 +190,8 @@ def test_fp8_block_weights_are_quantized_once_per_update(backward):
     kinds = {loader_path: isinstance(v, PreparedWeight) for loader_path, v in _flat(prepared)}
     assert kinds["layers.0.attn.q_proj.weight"] and kinds["layers.0.moe.gate_proj.weight"]
     assert not kinds["layers.0.moe.router.weight"] and not kinds["lm_head.weight"] and not kinds["embed.embedding"]
+    gate = dict(_flat(prepared))["layers.0.moe.gate_proj.weight"]
+    assert (gate.q_t is not None) == (backward == "fp8")  # the dgrad's transposed operands, made once too
     closed = jax.make_jaxpr(t._grads)(t.params, mb, n)
     (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
     assert any(v.aval.dtype == jnp.float8_e4m3fn for v in scan.invars)  # the loop closes over the quantized weights

@@ -93,8 +93,12 @@ def bf16_grouped_matmul(x, w, group_sizes, *, backend: str, layout: str = "nk"):
     )
 
 
-def prepare_fp8_weight(w, backend: str | None = None):
+def prepare_fp8_weight(w, backend: str | None = None, *, dgrad: bool = False):
     """`w` [..., N, K] with its 128x128-block FP8 operands made on the backend ops would pick for its shape: an
-    `operands.PreparedWeight` (its quantization then runs once, not in every forward that multiplies it)."""
+    `operands.PreparedWeight` (its quantization then runs once, not in every forward that multiplies it).
+    dgrad: also the transposed operands the fp8 backward's dgrad multiplies (`operands.fp8_dgrad_weight`)."""
     be = resolve(backend, "fp8-block", *jax.numpy.shape(w)[-2:])
-    return operands.PreparedWeight(w, *operands.fp8_weight(w, be))
+    q, scale = operands.fp8_weight(w, be)
+    if not dgrad:
+        return operands.PreparedWeight(w, q, scale)
+    return operands.PreparedWeight(w, q, scale, *operands.fp8_dgrad_weight(w, q, scale))

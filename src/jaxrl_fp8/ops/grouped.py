@@ -79,7 +79,7 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
         be, be_fwd = backends.resolve(backend, F.FP8_BLOCK, k, n), backends.resolve(backend, F.FP8_BLOCK, n, k)
         wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w, be_fwd)
         gq, sg = O.fp8_act(g, be)
-        dx = block_scaled.grouped_block_scaled_matmul(gq, sg, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(sb, 1, 2), gs, backend=be)
+        dx = block_scaled.grouped_block_scaled_matmul(gq, sg, *O.fp8_dgrad_weight(w, wq, sb), gs, backend=be)
         xm = _rows_in_groups(x, gs)
         gtq, sgt = O.fp8_act_transposed(g, be)
         xtq, sxt = O.fp8_act_transposed(xm, be)

@@ -37,6 +37,9 @@ class PreparedWeight:
     value: jax.Array  # [..., N, K] the compute weight (BF16 in training)
     q: jax.Array  # e4m3, value's shape
     scale: jax.Array  # float32 [..., N/128, K/128]
+    # for the fp8 backward's dgrad (FP8 wgmma takes K-major operands only, so W^T is a copy): q and scale transposed
+    q_t: jax.Array | None = None
+    scale_t: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -115,6 +118,14 @@ def fp8_weight(w, backend: str | None = None):
 
         return K.fp8_per_block(w, F.FP8_BLOCK_WEIGHT)
     return quantize_fp8_per_block(w, F.FP8_BLOCK_WEIGHT)
+
+
+def fp8_dgrad_weight(w, wq, sb):
+    """dgrad's B operand (dx = g . W): W^T's e4m3 data and scales, the forward's 128x128 blocks transposed. A
+    PreparedWeight made for the fp8 backward carries them, so the transpose is not copied again in every backward."""
+    if isinstance(w, PreparedWeight) and w.q_t is not None:
+        return w.q_t, w.scale_t
+    return jnp.swapaxes(wq, -1, -2), jnp.swapaxes(sb, -1, -2)
 
 
 def emulated_operands(x, w, fmt: str):

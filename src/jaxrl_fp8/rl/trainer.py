@@ -170,7 +170,8 @@ class Trainer:
     def _prepared(self, compute):
         """`compute` with every fp8-block weight quantized once (`ops.operands.PreparedWeight`), so the update's
         micro-batch forwards and the log-prob phase's chunks reuse one quantization of the weights instead of each
-        making its own (XLA does not hoist it out of the scan). The same quantizer on the same values: the same
+        making its own (XLA does not hoist it out of the scan); with the fp8 backward also the transposed copies its
+        dgrad multiplies (1 B a parameter more for the update). The same quantizer on the same values: the same
         bits. Single device: a sharding plan constrains plain arrays, and there ops quantize in place."""
         if self.plan is not None:
             return compute
@@ -178,7 +179,7 @@ class Trainer:
         for path, var in nnx.to_flat_state(compute):
             value = var.get_value()
             if self._quantized_in_fp8_block(loader.trainer_path(path)) and not isinstance(value, PreparedWeight):
-                value = prepare_fp8_weight(value)
+                value = prepare_fp8_weight(value, dgrad=self.s.backward == "fp8")
             items.append((path, var.replace(value)))
         return nnx.from_flat_state(items)
 
