@@ -110,6 +110,16 @@ def test_modules_to_not_convert():
     assert PrecisionPolicy("bf16", num_layers=L).high_precision_modules(all_names()) == []
 
 
+def test_projection_format_names_projections_only():
+    pol = PrecisionPolicy("fp8-block", num_layers=L, num_experts=E, num_layers_at_start_in_bf16=1)
+    assert pol.projection_format("layers.2.attn.q_proj.weight") == "fp8-block"
+    assert pol.projection_format("layers.3.moe.gate_proj.weight") == "fp8-block"  # an expert stack
+    assert pol.projection_format("layers.0.attn.q_proj.weight") == "bf16"  # a projection kept high precision
+    for other in ("layers.3.moe.router.weight", "lm_head.weight", "embed.embedding", "layers.2.input_norm.scale",
+                  "layers.2.attn.q_norm.scale", "not.a.parameter"):
+        assert pol.projection_format(other) is None, other
+
+
 def test_nvfp4_quantizes_experts_only_unless_dense_asked():
     pol = PrecisionPolicy("nvfp4", num_layers=L, num_experts=E)
     assert pol.format_for("model.layers.2.mlp.experts.1.up_proj.weight") == "nvfp4"

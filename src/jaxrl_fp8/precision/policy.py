@@ -174,6 +174,18 @@ class PrecisionPolicy:
             expert = 0 if expert is None else expert
         return self.format_for(N.trainer_to_hf(trainer_name, expert))
 
+    def projection_format(self, trainer_name: str) -> str | None:
+        """The format a projection weight (a LINEAR or EXPERT tensor of the name table) is multiplied in; None for
+        every other parameter (norms, embeddings, router, lm_head) and for names outside the table. What the engine
+        prepares its rollout operands by and the trainer its once-per-update FP8 operands."""
+        try:
+            hf = N.trainer_to_hf(trainer_name, 0 if _trainer_role(trainer_name) == N.TensorRole.EXPERT else None)
+            if N.role_of_hf(hf) not in _QUANTIZABLE:
+                return None
+        except (KeyError, ValueError):
+            return None
+        return self.format_for(hf)
+
     def high_precision_modules(self, hf_names) -> list[str]:
         """HF module paths (no `.weight`) of quantizable tensors kept high precision, for `modules_to_not_convert`."""
         if self.fmt == BF16:

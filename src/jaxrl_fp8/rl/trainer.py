@@ -158,17 +158,8 @@ class Trainer:
         cast = lambda x: x if isinstance(x, PreparedWeight) else x.astype(self.s.compute_dtype)  # noqa: E731
         return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, PreparedWeight))
 
-    def _quantized_in_fp8_block(self, trainer_path: str) -> bool:
-        """True for the weights the forward multiplies in fp8-block (the model asks the policy the same way)."""
-        if self.train_policy is None or not trainer_path.endswith(".weight"):
-            return False
-        try:
-            return self.train_policy.format_for_trainer(trainer_path) == F.FP8_BLOCK
-        except (KeyError, ValueError):  # not a projection of the name table (norms, embeddings)
-            return False
-
     def _prepared(self, compute):
-        """`compute` with every fp8-block weight quantized once (`ops.operands.PreparedWeight`), so the update's
+        """`compute` (the masters cast, `_cast`) with every fp8-block weight quantized once (`ops.operands.PreparedWeight`), so the update's
         micro-batch forwards and the log-prob phase's chunks reuse one quantization of the weights instead of each
         making its own (XLA does not hoist it out of the scan); with the fp8 backward also the transposed copies its
         dgrad multiplies (1 B a parameter more for the update). The same quantizer on the same values: the same
@@ -178,7 +169,7 @@ class Trainer:
         items = []
         for path, var in nnx.to_flat_state(compute):
             value = var.get_value()
-            if self._quantized_in_fp8_block(loader.trainer_path(path)) and not isinstance(value, PreparedWeight):
+            if self.train_policy is not None and self.train_policy.projection_format(loader.trainer_path(path)) == F.FP8_BLOCK:
                 value = prepare_fp8_weight(value, dgrad=self.s.backward == "fp8")
             items.append((path, var.replace(value)))
         return nnx.from_flat_state(items)

@@ -67,7 +67,7 @@ from jaxrl_fp8.model.qwen3 import Qwen3
 from jaxrl_fp8.ops import operands
 from jaxrl_fp8.precision import PrecisionPolicy, QuantizedWeight, Recipe, detect_hardware, quantize_weight
 from jaxrl_fp8.precision import formats as F
-from jaxrl_fp8.precision.names import TensorRole, hf_to_trainer, role_of_hf, trainer_to_hf
+from jaxrl_fp8.precision.names import hf_to_trainer
 from jaxrl_fp8.rollout.programs import (  # noqa: F401  (_Carry, _draw, _prefill, _decode_step: benchmarks, tests)
     _Carry,
     _decode_jit,
@@ -151,14 +151,6 @@ class EngineConfig:
 # Weights: master / checkpoint parameters -> the operands the rollout format computes with
 
 
-def _is_quantizable(trainer_path: str) -> bool:
-    expert = 0 if ".moe." in trainer_path and not trainer_path.endswith("router.weight") else None
-    try:
-        return role_of_hf(trainer_to_hf(trainer_path, expert)) in (TensorRole.LINEAR, TensorRole.EXPERT)
-    except (KeyError, ValueError):
-        return False
-
-
 def rollout_operand(value, fmt: str | None):
     """A projection weight as the rollout format consumes it; bit-identical to what `ops` builds on the fly.
 
@@ -188,8 +180,9 @@ def prepare_rollout_params(model: Qwen3, precision: PrecisionPolicy | None):
     for path, var in nnx.to_flat_state(state):  # new Variables: the caller's model is never modified
         tp = loader.trainer_path(path)
         value = var.get_value()
-        if precision is not None and _is_quantizable(tp):
-            value = rollout_operand(value, precision.format_for_trainer(tp))
+        fmt = None if precision is None else precision.projection_format(tp)
+        if fmt is not None:
+            value = rollout_operand(value, fmt)
         items.append((path, var.replace(value)))
     return graphdef, nnx.from_flat_state(items)
 
@@ -431,7 +424,7 @@ class EmbeddedEngine:
             if tp not in by_tp:
                 raise ValueError(f"update_weights: {hf_name_of[tp]!r} is not a parameter of this model")
             old = flat[by_tp[tp]].get_value()
-            fmt = self.precision.format_for_trainer(tp) if (self.precision is not None and _is_quantizable(tp)) else None
+            fmt = None if self.precision is None else self.precision.projection_format(tp)
             new_values[tp] = self._updated_value(hf_name_of[tp], old, members, fmt, current.dtype)
         items = []
         for path, var in flat.items():

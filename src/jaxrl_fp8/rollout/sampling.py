@@ -138,7 +138,7 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, steps) -> tup
         drawn = jnp.argmax(jnp.where(keep, z + gumbel_noise(keys, v), -jnp.inf), axis=-1)
         greedy = jnp.argmax(logits, axis=-1)
         tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
-        return tokens, pick_logprobs(log_softmax(z), tokens)
+        return tokens, token_logprobs(z, tokens)  # z is tempered already: the host temperature 1 divides nothing
 
     def unit_unfiltered():
         return draw(logits, True)
