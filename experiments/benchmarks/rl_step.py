@@ -42,7 +42,8 @@ unless preallocation is off). Parameters P = 2 x 151936 x 2048 (embedding, lm_he
   ~1.2 with FP8 projections): ~18 B/param = 56 GB at 4 layers, 79 GB at 6 (measured: 6 layers at 1k with
   `rl_step_accum`'s micro-batches peaked at 98.3-101.9 GB, before the next point). fp8_block with the fp8 backward
   also holds its projections' e4m3 operands and their transposes for the whole update (`Trainer._prepared`: made
-  once, not per micro-batch), ~2 B/param of the projections; not measured yet.
+  once, not per micro-batch), ~2 B/param of the projections, of which the transposes (1 B) would otherwise live
+  only during each layer's backward; not measured yet.
 - activations of one training row of T = prompt + response tokens (no rematerialisation): ~24 x 151936 B a token for
   the float32 logits and what the loss, the entropy and their gradient make of them, plus per layer ~0.39 MB a token
   (MoE rows, attention, norms) and 12 x 32 x T B a token (XLA attention's probabilities). XLA:CPU's memory analysis

@@ -158,7 +158,7 @@ def master_cotangent(w, dw):
     """dW for the master weight (straight-through the quantizer); QuantizedWeight inputs get zeros, a
     PreparedWeight dW for its value and zeros for its operands."""
     if isinstance(w, PreparedWeight):
-        return PreparedWeight(dw.astype(w.value.dtype), zero_cotangent(w.q), zero_cotangent(w.scale))
+        return dataclasses.replace(zero_cotangent(w), value=dw.astype(w.value.dtype))  # every operand field zero
     if isinstance(w, QuantizedWeight):
         return zero_cotangent(w)
     return dw.astype(jnp.asarray(w).dtype)

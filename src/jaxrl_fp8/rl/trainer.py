@@ -159,10 +159,10 @@ class Trainer:
         return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, PreparedWeight))
 
     def _prepared(self, compute):
-        """`compute` (the masters cast, `_cast`) with every fp8-block weight quantized once (`ops.operands.PreparedWeight`), so the update's
-        micro-batch forwards and the log-prob phase's chunks reuse one quantization of the weights instead of each
+        """`compute` (the masters cast, `_cast`) with every fp8-block weight quantized once
+        (`ops.operands.PreparedWeight`), so the update's micro-batch forwards and the log-prob phase's chunks reuse one quantization of the weights instead of each
         making its own (XLA does not hoist it out of the scan); with the fp8 backward also the transposed copies its
-        dgrad multiplies (1 B a parameter more for the update). The same quantizer on the same values: the same
+        dgrad multiplies (held for the whole update: 1 B a projection parameter that per-backward copies would free). The same quantizer on the same values: the same
         bits. Single device: a sharding plan constrains plain arrays, and there ops quantize in place."""
         if self.plan is not None:
             return compute
