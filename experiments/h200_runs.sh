@@ -42,7 +42,7 @@
 #                                            # column tile per warpgroup): its GPU bit tests, then gemm.py --suites decode
 #                                            # (the expert GEMMs of a decode step at 64 / 256 rows: default vs narrow split vs
 #                                            # our BF16 kernel, weight bytes against the copy bandwidth) -> $OUT/gemm_decode_h200.json
-#   bash experiments/h200_runs.sh profile_decode  # (~8 min) step_profile.py's decode program at 64 slots (rl_step's rollout:
+#   bash experiments/h200_runs.sh profile_decode  # (~8 min; PROFILE_SLOTS=64 for one) step_profile.py's decode program at 64 slots (rl_step's rollout:
 #                                            # 1k responses) and at 256 slots (rollout_workload), 6 layers, bf16 + fp8_block,
 #                                            # every kernel listed (--top 120) and the optimized HLO of decode_slots beside it
 #                                            # -> $OUT/step_profile_decode{64,256}_h200.json, $OUT/decode_hlo.tgz
@@ -186,7 +186,7 @@ case "${1:-}" in
     timeout 300 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_h200.json" 2>&1 | quiet \
       | tee "$OUT/gemm_decode.log" ;;
   profile_decode)
-    for slots in 64 256; do
+    for slots in ${PROFILE_SLOTS:-64 256}; do
       len=$([ $slots = 64 ] && echo 1024 || echo 8192)
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
         XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/decode_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_slots" \
