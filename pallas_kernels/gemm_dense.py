@@ -123,6 +123,25 @@ def b_scale_operand(b_scale, n: int, b_rows_per_scale: int, cfg: GemmConfig):
     return jnp.swapaxes(s, -1, -2)
 
 
+def weight_scale_operand(b_scale, n: int, k: int, cfg: GemmConfig | None = None):
+    """A weight's 128x128-block scales [..., N/128, K/128] as `block_scaled_matmul` loads them under the config it
+    picks for (n, k) (`b_scale_operand`). Made once for a weight that many calls multiply (decode steps,
+    micro-batches) and passed as `b_scale_op`: XLA does not hoist the broadcast out of a loop."""
+    return b_scale_operand(b_scale, n, BLOCK_K, cfg or default_config(n, k))
+
+
+def checked_scale_operand(b_scale, b_scale_op, n: int, b_rows_per_scale: int, cfg: GemmConfig, where: str):
+    """`b_scale_op` (made by `weight_scale_operand`) if given, checked against the layout `cfg` loads; else the
+    layout made from `b_scale` now."""
+    if b_scale_op is None:
+        return b_scale_operand(b_scale, n, b_rows_per_scale, cfg)
+    want = jax.eval_shape(lambda s: b_scale_operand(s, n, b_rows_per_scale, cfg), b_scale)
+    if b_scale_op.shape != want.shape or b_scale_op.dtype != want.dtype:
+        raise ValueError(f"{where}: b_scale_op {b_scale_op.shape} {b_scale_op.dtype} is not the layout this call loads "
+                         f"({want.shape} {want.dtype}: split {cfg.split!r}, tile_m {cfg.tile_m}); make it with weight_scale_operand")
+    return b_scale_op
+
+
 def scaled_tile_pipeline(cfg: GemmConfig, k_iters: int, row_scales: bool):
     """Returns the per-output-tile routine shared by the dense and the grouped kernels.
 
@@ -308,8 +327,10 @@ def check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale: int, where: str
 
 
 @traced_once("b_rows_per_scale", "out_dtype", "interpret", "config")
-def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 128, out_dtype=F32, interpret: bool = False, config: GemmConfig | None = None):
-    """C = A . B^T with block scales (see module doc). Any M; N, K multiples of 128."""
+def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 128, out_dtype=F32, interpret: bool = False,
+                        config: GemmConfig | None = None, b_scale_op=None):
+    """C = A . B^T with block scales (see module doc). Any M; N, K multiples of 128.
+    b_scale_op: b_scale already in the kernel's layout (`weight_scale_operand`), or None."""
     check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale, "gemm_dense.block_scaled_matmul")
     m, k = a_q.shape
     n = b_q.shape[0]
@@ -322,7 +343,7 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 1
     mp = -(-m // cta_m) * cta_m
     a = jnp.pad(a_q, [(0, mp - m), (0, 0)])
     sa_t = jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
-    sb_t = b_scale_operand(b_scale, n, b_rows_per_scale, cfg)
+    sb_t = checked_scale_operand(b_scale, b_scale_op, n, b_rows_per_scale, cfg, "gemm_dense.block_scaled_matmul")
     kernel = functools.partial(_dense_kernel, cfg=cfg, row_scales=row_scales)
     out = launch_persistent(kernel, jax.ShapeDtypeStruct((mp, n), out_dtype), a, b_q, sa_t, sb_t, name="gemm_dense_fp8",
                             interpret=interpret)

@@ -24,6 +24,7 @@ from pallas_kernels.gemm_dense import (
     GemmConfig,
     b_scale_operand,
     check_operands,
+    checked_scale_operand,
     launch_persistent,
     scaled_tile_pipeline,
     tile_scales,
@@ -159,9 +160,18 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def weight_scale_operand(b_scale, cfg: GemmConfig | None = None):
+    """Expert weights' block scales [E, N/128, K/128] as `grouped_block_scaled_matmul` loads them (under `cfg`,
+    default DEFAULT_CONFIG): made once for weights that many calls multiply, passed as `b_scale_op`."""
+    n = b_scale.shape[-2] * BLOCK_K
+    return b_scale_operand(b_scale, n, BLOCK_K, cfg or DEFAULT_CONFIG)
+
+
 @traced_once("out_dtype", "interpret", "config")
-def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_dtype=F32, interpret: bool = False, config: GemmConfig | None = None):
-    """a_q [M, K] e4m3 (rows sorted by group), a_scale [M, K/128]; b_q [E, N, K], b_scale [E, N/128, K/128].
+def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_dtype=F32, interpret: bool = False,
+                                config: GemmConfig | None = None, b_scale_op=None):
+    """a_q [M, K] e4m3 (rows sorted by group), a_scale [M, K/128]; b_q [E, N, K], b_scale [E, N/128, K/128];
+    b_scale_op: b_scale already in the kernel's layout (`weight_scale_operand`), or None.
 
     Rows past sum(group_sizes) come out as zeros.
     """
@@ -179,7 +189,7 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_
     mp = -(-m // tile) * tile
     a = jnp.pad(a_q, [(0, mp - m), (0, 0)]) if mp != m else a_q  # a copy only when M is not whole blocks
     sa_t = jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
-    sb_t = b_scale_operand(b_scale, n, 128, cfg)
+    sb_t = checked_scale_operand(b_scale, b_scale_op, n, 128, cfg, "gemm_grouped.grouped_block_scaled_matmul")
     kernel = functools.partial(_grouped_kernel, cfg=cfg, row_scales=uses_row_scales(cfg, 128))
     return launch_persistent(kernel, jax.ShapeDtypeStruct((m, n), out_dtype), items, a, b_q, sa_t, sb_t,
                              name="gemm_grouped_fp8", interpret=interpret)

@@ -258,3 +258,23 @@ def test_weight_push_program_equals_the_eager_contract(recipe):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     for a, b in zip(jax.tree.leaves(eng._weights.state), eager):  # what the engine serves
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_decode_loops_take_fp8_weights_as_operands_prepared_once(engine):
+    """`programs.loop_operands`: every fp8-block weight of the served state becomes operands only (no value) with the
+    same e4m3 data and scales; everything else is left as it is. (The generate tests above run through it.)"""
+    from jaxrl_fp8.ops.operands import PreparedWeight
+    from jaxrl_fp8.precision import QuantizedWeight
+    from jaxrl_fp8.rollout.programs import loop_operands
+
+    state = engine._weights.state
+    before = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, QuantizedWeight))
+    after = jax.tree.leaves(loop_operands(state), is_leaf=lambda v: isinstance(v, PreparedWeight))
+    assert len(before) == len(after) and sum(isinstance(v, QuantizedWeight) for v in before) > 0
+    for a, b in zip(before, after):
+        if isinstance(a, QuantizedWeight):
+            assert isinstance(b, PreparedWeight) and b.value is None and b.shape == a.shape
+            np.testing.assert_array_equal(np.asarray(a.data).view(np.uint8), np.asarray(b.q).view(np.uint8))
+            np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
+        else:
+            assert b is a

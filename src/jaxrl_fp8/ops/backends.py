@@ -11,11 +11,13 @@ GPU's CPU interpreter (tests).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 
 from jaxrl_fp8.ops import grouping, operands
+from jaxrl_fp8.precision import QuantizedWeight, formats as F
 
 BACKENDS = ("xla", "mosaic", "interpret")
 
@@ -93,12 +95,32 @@ def bf16_grouped_matmul(x, w, group_sizes, *, backend: str, layout: str = "nk"):
     )
 
 
+def _kernel_scale_operand(scale, n: int, k: int, backend: str):
+    """A weight's block scales in the layout its Mosaic GEMM loads (None on the XLA path, which takes them as they are)."""
+    if backend == "xla":
+        return None
+    from pallas_kernels import gemm_dense, gemm_grouped
+
+    return gemm_grouped.weight_scale_operand(scale) if scale.ndim == 3 else gemm_dense.weight_scale_operand(scale, n, k)
+
+
 def prepare_fp8_weight(w, backend: str | None = None, *, dgrad: bool = False):
     """`w` [..., N, K] with its 128x128-block FP8 operands made on the backend ops would pick for its shape: an
-    `operands.PreparedWeight` (its quantization then runs once, not in every forward that multiplies it).
+    `operands.PreparedWeight` (its quantization, and on the Mosaic backend the kernel's layout of its scales, then
+    run once, not in every forward that multiplies it).
+    w: a weight (the PreparedWeight keeps it as `value`, the gradient's target) or an fp8-block QuantizedWeight
+    (operands only, value None: the rollout engine's decode loop).
     dgrad: also the transposed operands the fp8 backward's dgrad multiplies (`operands.fp8_dgrad_weight`)."""
-    be = resolve(backend, "fp8-block", *jax.numpy.shape(w)[-2:])
+    quantized = isinstance(w, QuantizedWeight)
+    if quantized and w.fmt != F.FP8_BLOCK:
+        raise ValueError(f"ops.prepare_fp8_weight: a QuantizedWeight in {w.fmt!r}; only fp8-block operands are prepared")
+    n, k = w.shape[-2:] if quantized else jax.numpy.shape(w)[-2:]
+    be = resolve(backend, F.FP8_BLOCK, n, k)
     q, scale = operands.fp8_weight(w, be)
+    value = None if quantized else w
+    prepared = operands.PreparedWeight(value, q, scale, scale_op=_kernel_scale_operand(scale, n, k, be))
     if not dgrad:
-        return operands.PreparedWeight(w, q, scale)
-    return operands.PreparedWeight(w, q, scale, *operands.fp8_dgrad_weight(w, q, scale))
+        return prepared
+    q_t, scale_t = operands.fp8_dgrad_weight(w, q, scale)
+    be_t = resolve(backend, F.FP8_BLOCK, k, n)
+    return dataclasses.replace(prepared, q_t=q_t, scale_t=scale_t, scale_t_op=_kernel_scale_operand(scale_t, k, n, be_t))

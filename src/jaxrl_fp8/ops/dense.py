@@ -61,7 +61,8 @@ def _forward(x, w, fmt, backend, out_dtype=F32):
         xq, sa = O.fp8_act(x, be)
         wq, sb = O.fp8_weight(w, be)
         gemm_out = out_dtype if jnp.dtype(out_dtype) in _GEMM_OUT_DTYPES else F32
-        return block_scaled.block_scaled_matmul(xq, sa, wq, sb, backend=be, out_dtype=gemm_out), (xq, sa, wq, sb)
+        y = block_scaled.block_scaled_matmul(xq, sa, wq, sb, backend=be, out_dtype=gemm_out, b_scale_op=O.weight_scale_operand(w))
+        return y, (xq, sa, wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
     return high_precision_dot(xd, wd), (xd, wd)
 
@@ -77,18 +78,18 @@ def _linear_fwd(x, w, fmt, backward, backend, out_dtype):
     return y.astype(out_dtype), (x, w, keep)
 
 
-def fp8_backward(g, x, wq_t, sb_t, backend, dx_dtype=F32):
+def fp8_backward(g, x, wq_t, sb_t, backend, dx_dtype=F32, sb_t_op=None):
     """dgrad and wgrad in FP8: each GEMM's operands quantized 1x128 along its contraction axis.
 
     dgrad dx[M, K] = g[M, N] . W[N, K]: g grouped along N; W^T (wq_t [K, N], sb_t) is the forward 128x128 blocks
     transposed (`operands.fp8_dgrad_weight`). wgrad dw[N, K] = g^T . x: both quantized along M (rows padded with
-    zeros to 128).
+    zeros to 128). sb_t_op: sb_t in the kernel's layout, made once (`operands.weight_scale_operand`), or None.
     """
     m, n = g.shape
     k = x.shape[1]
     be = backends.resolve(backend, F.FP8_BLOCK, k, n)
     gq, sg = O.fp8_act(g, be)
-    dx = block_scaled.block_scaled_matmul(gq, sg, wq_t, sb_t, backend=be, out_dtype=dx_dtype)
+    dx = block_scaled.block_scaled_matmul(gq, sg, wq_t, sb_t, backend=be, out_dtype=dx_dtype, b_scale_op=sb_t_op)
     mp = -(-m // 128) * 128  # wgrad contracts over M, zero-padded to whole 128-row groups
     be = backends.resolve(backend, F.FP8_BLOCK, k, mp)
     gtq, sgt = O.fp8_act_transposed(g, be)  # == fp8_act(pad_rows(g, 128).T), without the transposed copy
@@ -101,7 +102,8 @@ def _linear_bwd(fmt, backward, backend, out_dtype, res, g):
     x, w, kept = res
     if backward == "fp8":
         wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w, backends.resolve(backend, F.FP8_BLOCK, *_weight_nk(w)))
-        dx, dw = fp8_backward(g, x, *O.fp8_dgrad_weight(w, wq, sb), backend, dx_dtype=x.dtype)
+        dx, dw = fp8_backward(g, x, *O.fp8_dgrad_weight(w, wq, sb), backend, dx_dtype=x.dtype,
+                              sb_t_op=O.weight_scale_operand(w, transposed=True))
     else:
         a, b = O.backward_operands(backward, fmt, x, w, kept)
         gb = g.astype(BF16)

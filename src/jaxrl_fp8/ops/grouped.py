@@ -49,7 +49,8 @@ def _forward(x, w, gs, fmt, backend):
         be = backends.resolve(backend, fmt, n, k)
         xq, sa = O.fp8_act(x, be)
         wq, sb = O.fp8_weight(w, be)
-        return block_scaled.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, backend=be), (xq, sa, wq, sb)
+        y = block_scaled.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, backend=be, b_scale_op=O.weight_scale_operand(w))
+        return y, (xq, sa, wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
     return _bf16_dot(xd, wd, gs, backend), (xd, wd)
 
@@ -79,7 +80,8 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
         be, be_fwd = backends.resolve(backend, F.FP8_BLOCK, k, n), backends.resolve(backend, F.FP8_BLOCK, n, k)
         wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w, be_fwd)
         gq, sg = O.fp8_act(g, be)
-        dx = block_scaled.grouped_block_scaled_matmul(gq, sg, *O.fp8_dgrad_weight(w, wq, sb), gs, backend=be)
+        dx = block_scaled.grouped_block_scaled_matmul(gq, sg, *O.fp8_dgrad_weight(w, wq, sb), gs, backend=be,
+                                                      b_scale_op=O.weight_scale_operand(w, transposed=True))
         xm = _rows_in_groups(x, gs)
         gtq, sgt = O.fp8_act_transposed(g, be)
         xtq, sxt = O.fp8_act_transposed(xm, be)

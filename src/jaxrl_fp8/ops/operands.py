@@ -34,20 +34,25 @@ class PreparedWeight:
     gradient flows to `value` as it would to the plain weight (straight through the quantizer); q and scale get
     zero cotangents. Same bits as quantizing in place (the same `fp8_weight` call on the same values)."""
 
-    value: jax.Array  # [..., N, K] the compute weight (BF16 in training)
-    q: jax.Array  # e4m3, value's shape
+    value: jax.Array | None  # [..., N, K] the compute weight (BF16 in training); None: operands only (rollout engine)
+    q: jax.Array  # e4m3 [..., N, K]
     scale: jax.Array  # float32 [..., N/128, K/128]
     # for the fp8 backward's dgrad (FP8 wgmma takes K-major operands only, so W^T is a copy): q and scale transposed
     q_t: jax.Array | None = None
     scale_t: jax.Array | None = None
+    # scale (scale_t) in the layout the Mosaic GEMM loads (`pallas_kernels.gemm_*.weight_scale_operand`), on that
+    # backend only: every kernel call otherwise broadcasts its weight's scales again (a decode step: 7 XLA kernels
+    # a layer)
+    scale_op: jax.Array | None = None
+    scale_t_op: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.value.shape)
+        return tuple(self.q.shape)
 
     @property
     def dtype(self):
-        return self.value.dtype
+        return self.q.dtype if self.value is None else self.value.dtype
 
 
 def check_weight(w, fmt: str, k: int, weight_ndim: int, where: str) -> tuple[int, ...]:
@@ -120,6 +125,14 @@ def fp8_weight(w, backend: str | None = None):
     return quantize_fp8_per_block(w, F.FP8_BLOCK_WEIGHT)
 
 
+def weight_scale_operand(w, *, transposed: bool = False):
+    """A PreparedWeight's scales in the GEMM kernel's layout (`scale_op`; `scale_t_op` for the dgrad), else None (the
+    kernel wrapper lays them out itself)."""
+    if not isinstance(w, PreparedWeight):
+        return None
+    return w.scale_t_op if transposed else w.scale_op
+
+
 def fp8_dgrad_weight(w, wq, sb):
     """dgrad's B operand (dx = g . W): W^T's e4m3 data and scales, the forward's 128x128 blocks transposed. A
     PreparedWeight made for the fp8 backward carries them, so the transpose is not copied again in every backward."""
@@ -138,6 +151,8 @@ def emulated_operands(x, w, fmt: str):
 def weight_values(w):
     """The weight as float32 values: the master itself, or a QuantizedWeight's dequantized values."""
     if isinstance(w, PreparedWeight):
+        if w.value is None:  # operands only: their values are the dequantized blocks
+            return dequantize_weight(QuantizedWeight(w.q, w.scale, None, F.FP8_BLOCK, int(w.q.shape[-1])), F32)
         return w.value
     return w.dequantize(F32) if isinstance(w, QuantizedWeight) else jnp.asarray(w)
 
