@@ -66,7 +66,9 @@ def work_items(group_sizes, m: int, tile: int):
     item_end = jnp.cumsum(blocks)
     item_begin = item_end - blocks
     t = jnp.arange(-(-m // tile) + e, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(item_end, t, side="right").astype(jnp.int32), e)
+    # every (item, group) comparison at once, one fusion: the default "scan" method is a while loop (log2(E) trips
+    # of small kernels), which ran inside every decode step, once a layer (H200 HLO of the decode program)
+    g = jnp.minimum(jnp.searchsorted(item_end, t, side="right", method="compare_all").astype(jnp.int32), e)
     used = t < item_end[-1]
     block = first_block[g] + t - item_begin[g]
     lo = jnp.maximum(starts[g], block * tile)

@@ -40,6 +40,24 @@ def test_work_items_cover_every_row_once():
         np.testing.assert_array_equal(owner, want)
 
 
+def test_work_items_are_one_loop_free_program():
+    """The work list is computed without a while loop (it runs inside every decode step: a loop there is log2(E)
+    rounds of small kernels) and gives the bisection's answer (jnp.searchsorted's default scan method)."""
+    gs = jnp.asarray(np.random.default_rng(3).multinomial(500, np.ones(128) / 128), jnp.int32)
+    program = jax.jit(lambda g: gemm_grouped.work_items(g, 512, 128)).lower(gs).as_text()
+    assert "while" not in program
+    sizes = np.asarray(gs)
+    ends = np.minimum(np.cumsum(sizes), 512)
+    starts = np.concatenate([[0], ends[:-1], ends[-1:]])
+    ends = np.concatenate([ends, [512]])
+    first = starts // 128
+    blocks = np.where(ends > starts, (ends - 1) // 128 + 1 - first, 0)
+    t = np.arange(4 + 128)
+    want_group = np.minimum(np.searchsorted(np.cumsum(blocks), t, side="right"), 128)
+    items = np.asarray(gemm_grouped.work_items(gs, 512, 128))
+    np.testing.assert_array_equal(items[0], np.where(want_group < 128, want_group, -1))
+
+
 @SPLITS
 def test_interpret_ragged_groups_with_empty_experts(config):
     xq, sa, wq, sb = _operands(0, 150, 4, 256, 256)

@@ -61,7 +61,7 @@ def work_items(group_sizes: jax.Array, m: int, tile_rows: int) -> WorkItems:
     offsets = cum - n_items
     p = num_tiles + e
     i = jnp.arange(p, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(cum, i, side="right").astype(jnp.int32), e - 1)
+    g = jnp.minimum(jnp.searchsorted(cum, i, side="right", method="compare_all").astype(jnp.int32), e - 1)  # no while loop
     valid = i < cum[-1]
     tile = jnp.clip(first[g] + i - offsets[g], 0, num_tiles - 1)
     return WorkItems(g, tile.astype(jnp.int32), valid, starts, ends, tile_rows, num_tiles)
