@@ -103,3 +103,21 @@ def test_a_scale_layout_for_another_tiling_is_refused():
     with pytest.raises(ValueError, match="b_scale_op"):
         gemm_grouped.grouped_block_scaled_matmul(xq, sa, qw.data, qw.scale, jnp.asarray([4, 4], jnp.int32), interpret=True,
                                                  config=gemm_grouped.NARROW_CONFIG, b_scale_op=op)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 2560])
+def test_gpu_prepared_weights_keep_the_kernels_bits(rows):
+    """On the H200's Mosaic kernels, Qwen3-30B-A3B shapes: a q_proj-sized dense weight and gate-sized experts give the
+    same forward and fp8-backward bits prepared (scales laid out once) as quantized in the call."""
+    x, w, c = _data(5, rows, 4096, 2048)
+    fn = lambda x, w: ops.linear(x, w, fmt="fp8-block", backward="fp8")  # noqa: E731
+    prepared = prepare_fp8_weight(w, dgrad=True)
+    assert prepared.scale_op is not None and prepared.scale_t_op is not None
+    for a, b in zip(_value_and_grads(jax.jit(fn), x, w, c), _value_and_grads(jax.jit(fn), x, prepared, c)):
+        _same(a, b)
+    xe, we, ce = _data(6, rows * 8, 768, 2048, e=128)
+    gs = jnp.asarray(np.random.default_rng(7).multinomial(rows * 8, np.ones(128) / 128), jnp.int32)
+    fe = lambda x, w: ops.grouped_linear(x, w, gs, fmt="fp8-block", backward="fp8")  # noqa: E731
+    for a, b in zip(_value_and_grads(jax.jit(fe), xe, we, ce), _value_and_grads(jax.jit(fe), xe, prepare_fp8_weight(we, dgrad=True), ce)):
+        _same(a, b)
