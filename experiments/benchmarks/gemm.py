@@ -180,7 +180,10 @@ def moe_decode_suite(copy_tbps):
             first = {}
             for cfg in (gemm_grouped.DEFAULT_CONFIG, gemm_grouped.NARROW_CONFIG):
                 def one(cfg=cfg):
-                    f = jax.jit(functools.partial(gemm_grouped.grouped_block_scaled_matmul, out_dtype=jnp.bfloat16, config=cfg))
+                    # the weights' scales laid out once, as the engine's decode loop holds them (ops.PreparedWeight)
+                    op = gemm_grouped.weight_scale_operand(sb, cfg)
+                    f = jax.jit(functools.partial(gemm_grouped.grouped_block_scaled_matmul, out_dtype=jnp.bfloat16, config=cfg,
+                                                  b_scale_op=op))
                     y32 = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, sizes, config=cfg)
                     same = bool(jnp.all(jax.lax.bitcast_convert_type(y32, jnp.uint32) ==
                                         jax.lax.bitcast_convert_type(first.setdefault("y", y32), jnp.uint32)))
