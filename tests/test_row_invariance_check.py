@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxrl_fp8  # noqa: F401  (before anything starts a JAX backend: it sets the contract's XLA flags)
 
@@ -18,6 +19,7 @@ sys.modules["row_invariance"] = audit
 spec.loader.exec_module(audit)
 
 
+@pytest.mark.row_invariant_cpu
 def test_every_forward_op_is_row_invariant_on_cpu(tmp_path):
     out = tmp_path / "r.json"
     assert audit.main(["--small", "--out", str(out)]) == 0

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxrl_fp8.ops.xla_gemm import cpu_dots_row_invariant
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("bf16", "bf16_train_fp8_rollout", "fp8_block")
 
@@ -41,7 +43,8 @@ def test_scale_run_tiny_cpu8(tmp_path):
         assert row["response_length"] > 0
         cfg = res["config"][recipe]
         assert cfg["rollout"]["placement"] == "collocated" and cfg["rl"]["use_tis"] and cfg["model"]["num_experts"] == 16
-    for unified in ("bf16", "fp8_block"):
+    # bf16's bits depend on XLA:CPU's BF16 dots being row invariant on this host (conftest's row_invariant_cpu)
+    for unified in ("bf16", "fp8_block") if cpu_dots_row_invariant() else ("fp8_block",):
         (row,) = res["rows"][unified]
         assert row["train_rollout_logprob_abs_diff"] == 0.0 and row["train_rollout_max_abs_diff"] == 0.0, row
         assert row["train_rollout_kl"] == 0.0

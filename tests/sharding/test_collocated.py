@@ -16,6 +16,8 @@ from subprocess_util import run_script
 
 pytestmark = pytest.mark.slow
 RECIPES = ("fp8_block", "bf16")
+# bf16's bitwise comparisons across row counts hold only where XLA:CPU's BF16 dots are row invariant (conftest)
+BITWISE_RECIPES = ("fp8_block", pytest.param("bf16", marks=pytest.mark.row_invariant_cpu))
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,7 @@ def results(tmp_path_factory):
         return json.load(f)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", BITWISE_RECIPES)
 def test_collocated_rollout_logprobs_equal_the_sharded_trainer_bitwise(results, recipe):
     r = results["recipes"][recipe]["collocated"]
     assert r["rows"] == 16 and r["tokens"] == 16 * 6  # 8 prompts x 2 samples x 6 new tokens, all compared

@@ -16,6 +16,8 @@ from subprocess_util import free_port, run_processes, run_script
 
 pytestmark = pytest.mark.slow
 RECIPES = ("fp8_block", "bf16")
+# bf16's bitwise comparisons across row counts hold only where XLA:CPU's BF16 dots are row invariant (conftest)
+BITWISE_RECIPES = ("fp8_block", pytest.param("bf16", marks=pytest.mark.row_invariant_cpu))
 ROWS = {0: 6, 1: 4}  # samples each process asked for: 3 prompts x 2; 1 x 1 + 1 x 3
 
 
@@ -49,7 +51,7 @@ def test_each_process_gets_exactly_its_own_samples(runs, recipe):
         assert all(s["routed"] is not None and len(s["response"]) > 0 for s in samples)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", BITWISE_RECIPES)
 @pytest.mark.parametrize("reference", ["collocated", "separate"])
 def test_samples_equal_one_process_bitwise(runs, recipe, reference):
     multi, single = runs
@@ -58,7 +60,7 @@ def test_samples_equal_one_process_bitwise(runs, recipe, reference):
         assert multi[pid]["recipes"][recipe]["samples"] == single["recipes"][recipe][reference][str(pid)], (pid, reference)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", BITWISE_RECIPES)
 def test_rollout_logprobs_equal_the_sharded_trainer_bitwise(runs, recipe):
     multi, _ = runs
     for pid in (0, 1):
