@@ -88,3 +88,25 @@ def test_as_benchmark_run_turns_off_checkpoints_logging_and_eval():
     assert changed == {("checkpoint", k) for k in ("save", "resume", "export_final_hf")} | {
         ("logging", k) for k in ("tensorboard", "plot_at_end", "progress_bar", "eval_every_steps")}
     validate_config(c)
+
+
+def test_random_init_std_and_embedding_std_are_applied():
+    """model.init_std scales every random weight, model.embed_init_std (0: init_std) the token embedding alone; the
+    default 0.02 keeps Qwen3's own draw bit for bit."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_fp8 import train
+
+    c = base_config()
+    default = train._model(c, 100)
+    c.model.embed_init_std = 1.0
+    c.model.init_std = 0.04
+    scaled = train._model(c, 100)
+    emb, emb0 = np.asarray(scaled.embed.embedding.get_value()), np.asarray(default.embed.embedding.get_value())
+    np.testing.assert_allclose(emb, emb0 * 50.0, rtol=1e-6)
+    for name in ("q_proj", "o_proj"):
+        w, w0 = (np.asarray(getattr(m.layers[0].attn, name).weight.get_value()) for m in (scaled, default))
+        np.testing.assert_allclose(w, w0 * 2.0, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(scaled.final_norm.scale.get_value()), np.ones(c.model.hidden_size, np.float32))
+    assert abs(float(jnp.std(default.embed.embedding.get_value())) - 0.02) < 2e-3

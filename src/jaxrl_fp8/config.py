@@ -48,7 +48,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.norm_topk_prob = True
     c.model.tie_word_embeddings = False
     c.model.rope_theta = 10000.0
-    c.model.init_std = 0.02
+    c.model.init_std = 0.02  # random init: weights ~ normal(0, init_std) (norms start at 1)
+    # random init: the token embedding's std (0: init_std). At 0.02 a random model's residual stream is dominated by
+    # attention's near-uniform average of the context, so every token of a row routes to the same experts and a
+    # decode step of 64 rows touches ~30-40 of 128 experts instead of the ~120 a load-balanced (trained) router
+    # spreads them over; 1.0 keeps each token's identity in the router input (benchmarks of MoE decode cost)
+    c.model.embed_init_std = 0.0
     c.model.vocab_size = 0  # random init only: 0 = the tokenizer's size; larger pads the vocab (ids past it decode to "")
 
     c.precision = ml_collections.ConfigDict()
@@ -182,6 +187,8 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
         _check(m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
                f"{m.num_key_value_heads} does not divide num_attention_heads={m.num_attention_heads}")
         _check(0 < m.num_experts_per_tok <= max(m.num_experts, 1), "model.num_experts_per_tok", f"must be in [1, num_experts={m.num_experts}]")
+    _check(m.init_std > 0, "model.init_std", f"must be > 0, got {m.init_std}")
+    _check(m.get("embed_init_std", 0.0) >= 0, "model.embed_init_std", f"must be >= 0 (0: init_std), got {m.get('embed_init_std')}")
     _check(m.get("vocab_size", 0) >= 0, "model.vocab_size", f"must be >= 0 (0: the tokenizer's size), got {m.get('vocab_size', 0)}")
     _check(not (m.checkpoint and m.get("vocab_size", 0)), "model.vocab_size", "only for random init; a checkpoint brings its own vocab")
     d = c.data

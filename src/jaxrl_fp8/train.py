@@ -70,8 +70,23 @@ def _model(c, vocab_size: int):
     if jax.device_count() > 1 and jax.default_backend() != "cpu":
         # sharded runs: random FP32 masters on the host, the trainer shards them (a 30B model fits no one GPU)
         with jax.default_device(jax.devices("cpu")[0]):
-            return Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(c.seed))
-    return Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(c.seed))
+            return _init_scaled(Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(c.seed)), m)
+    return _init_scaled(Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(c.seed)), m)
+
+
+def _init_scaled(model, m):
+    """The random model with its weights ~ normal(0, model.init_std) and its embedding ~ normal(0,
+    model.embed_init_std or init_std): Qwen3 draws normal(0, 0.02), rescaled here (the same distribution)."""
+    from flax import nnx
+
+    base = 0.02
+    std, embed_std = float(m.init_std), float(m.get("embed_init_std", 0.0) or m.init_std)
+    if std == base and embed_std == base:
+        return model
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path[-1] in ("weight", "embedding"):
+            var.set_value(var.get_value() * ((embed_std if path[-1] == "embedding" else std) / base))
+    return model
 
 
 def _policies(c, recipe, model_cfg):
