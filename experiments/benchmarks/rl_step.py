@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-impl", default=None,
                    help="config.model.attention_impl (default: the config's, 'auto': the flash kernels on a Hopper GPU, "
                         "the exact scan on CPU)")
+    p.add_argument("--embed-init-std", type=float, default=1.0,
+                   help="config model.embed_init_std of the random slice (default %(default)s): at the init's 0.02 every "
+                        "token of a row routes alike and a 64-row decode step touches ~30-40 of 128 experts, where a "
+                        "trained (load-balanced) router spreads them over ~120; the JSON records the measured spread "
+                        "(rollout_experts_touched: distinct experts a decode step reads, mean over steps and layers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every point, repeatable (value parsed as a Python literal)")
@@ -251,6 +256,7 @@ def point_config(args, recipe: str, length: int, workdir: str):
     for key, value in (TINY if args.tiny else FULL).items():
         m[key] = value
     m.num_hidden_layers = s["layers"]
+    m.embed_init_std = args.embed_init_std
     m.decoder_sparse_step = 1
     m.mlp_only_layers = ()
     m.norm_topk_prob = True
@@ -442,7 +448,7 @@ def summarize_point(point: dict, warmup: int) -> dict | None:
     if not rows:
         return None
     steady = rows[warmup:] if len(rows) > warmup else rows[-1:]
-    med = {k: _median([r.get(k) for r in steady]) for k in TIME_KEYS + MISMATCH_KEYS + ("response_length",)}
+    med = {k: _median([r.get(k) for r in steady]) for k in TIME_KEYS + MISMATCH_KEYS + ("response_length", "rollout_experts_touched")}
     rows_per_step = (point.get("sizes") or {}).get("rows")
     tokens = med["response_length"] * rows_per_step if med["response_length"] is not None and rows_per_step else None
     per_phase = {}
@@ -908,7 +914,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{recipe}:{length}", "--child-out", part_path,
                "--out", args.out, "--runs-dir", args.runs_dir,
                "--prompt-tokens", str(args.prompt_tokens), "--response-lengths", str(length), "--seed", str(args.seed),
-               "--recipes", recipe]
+               "--recipes", recipe, "--embed-init-std", str(args.embed_init_std)]
         for flag, v in (("--layers", args.layers), ("--steps", args.steps), ("--prompts", args.prompts), ("--samples-per-prompt", args.samples_per_prompt),
                         ("--batch", args.batch), ("--micro-batch", args.micro_batch), ("--logit-chunk", args.logit_chunk), ("--logprob-chunk", args.logprob_chunk), ("--attention-impl", args.attention_impl)):
             if v is not None:

@@ -32,6 +32,7 @@ from jaxrl_fp8.rl.batch import TrainBatch, build_batch
 from jaxrl_fp8.rl.losses import PolicyLossConfig, combine_micro_metrics, policy_loss
 from jaxrl_fp8.rl.mismatch import mismatch_metrics
 from jaxrl_fp8.rl.rewards import compute_rewards
+from jaxrl_fp8.rl.routing_stats import decode_experts_touched
 from jaxrl_fp8.rl.token_stats import chunked_token_stats, token_stats
 # The rollout's log-prob convention (log_softmax(logits / T), row invariant): one definition for sampler and learner.
 from jaxrl_fp8.rollout.types import SamplingParams
@@ -383,6 +384,9 @@ class Trainer:
             "tokens_per_second": n_tokens / max(total, 1e-9),
             "weight_version": float(self.step),
         }
+        if tb.routed_experts is not None and self.cfg.num_experts:  # after the timers: host work on the R3 routing
+            metrics["rollout_experts_touched"] = decode_experts_touched(tb.routed_experts, tb.prompt_lengths,
+                                                                        tb.response_lengths, self.cfg.num_experts)
         return metrics
 
     def current_model(self):

@@ -1,0 +1,21 @@
+import numpy as np
+
+from jaxrl_fp8.rl.routing_stats import decode_experts_touched
+
+
+def test_counts_distinct_experts_per_decode_step_and_layer():
+    # 2 rows, prompts of 2 and 1 tokens, responses of 3 and 2 tokens; 2 layers (the second dense: -1), top-2 of 8
+    routed = np.full((2, 6, 2, 2), -1, np.int32)
+    routed[0, 2] = [[0, 1], [-1, -1]]  # row 0, step 0
+    routed[0, 3] = [[0, 2], [-1, -1]]  # row 0, step 1
+    routed[0, 4] = [[7, 6], [-1, -1]]  # row 0's last response token: never fed, not counted
+    routed[1, 1] = [[1, 3], [-1, -1]]  # row 1, step 0
+    routed[1, 2] = [[5, 5], [-1, -1]]  # row 1's last token: not counted
+    got = decode_experts_touched(routed, np.array([2, 1]), np.array([3, 2]), num_experts=8)
+    # step 0: {0, 1, 3} = 3 experts; step 1: {0, 2} = 2 (row 1 done); the dense layer is left out
+    assert got == 2.5
+
+
+def test_no_decode_step_is_nan():
+    routed = np.zeros((1, 3, 1, 1), np.int32)
+    assert np.isnan(decode_experts_touched(routed, np.array([2]), np.array([1]), num_experts=4))
