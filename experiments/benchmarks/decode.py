@@ -109,17 +109,15 @@ def classify(path: str) -> str:
     return "always"  # attention, dense MLPs, norms, router
 
 
-def distinct_experts_per_step(samples, prompt_len: int, gen_len: int, num_layers: int) -> float:
-    """Mean over decode steps and MoE layers of the number of distinct experts the batch routes to."""
+def distinct_experts_per_step(samples, prompt_len: int, gen_len: int, num_experts: int) -> float:
+    """Mean over decode steps and MoE layers of the number of distinct experts the batch routes to
+    (`rl.routing_stats.decode_experts_touched` on the samples' R3 routing; every row: prompt_len + gen_len tokens)."""
+    from jaxrl_fp8.rl.routing_stats import decode_experts_touched
+
     routed = np.stack([s.routed_experts for s in samples])  # [B, P + T - 1, L, k]
-    counts = []
-    for t in range(1, gen_len):  # step t feeds response token t-1 at position P + t - 1
-        pos = prompt_len + t - 1
-        for layer in range(num_layers):
-            ids = routed[:, pos, layer].reshape(-1)
-            if (ids >= 0).any():
-                counts.append(len(np.unique(ids[ids >= 0])))
-    return float(np.mean(counts)) if counts else 0.0
+    b = len(samples)
+    touched = decode_experts_touched(routed, np.full(b, prompt_len), np.full(b, gen_len), num_experts)
+    return 0.0 if np.isnan(touched) else touched
 
 
 def step_bytes(engine, cfg, batch: int, prompt_len: int, gen_len: int, cache_len: int, experts_touched: float, kv_itemsize: int) -> dict:
@@ -229,7 +227,7 @@ def main(argv=None) -> int:
             cache_len = max(16, 1 << (args.prompt_len + args.gen_len - 1).bit_length())  # the engine's bucket
             if cache_len != max(16, 1 << args.prompt_len.bit_length()):
                 print("warning: the 1-token run uses a smaller KV-cache bucket; prefill subtraction is approximate")
-            touched = distinct_experts_per_step(samples, args.prompt_len, args.gen_len, cfg.num_hidden_layers)
+            touched = distinct_experts_per_step(samples, args.prompt_len, args.gen_len, cfg.num_experts)
             sb = step_bytes(engine, cfg, batch, args.prompt_len, args.gen_len, cache_len, touched, kv_itemsize=2)
             decode_s = t_full - t_one
             if decode_s <= 0:  # timing noise larger than the decode itself (tiny runs): report nothing

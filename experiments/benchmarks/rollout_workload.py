@@ -188,7 +188,7 @@ def step_measurement(engine_cls, policy, engine_config, cfg, args, rng, bw_copy)
         t = time.perf_counter()
         engine.generate(prompts, one)
         best_one = min(best_one, time.perf_counter() - t)
-    touched = decode_bench.distinct_experts_per_step(samples, args.prompt_len, n, cfg.num_hidden_layers)
+    touched = decode_bench.distinct_experts_per_step(samples, args.prompt_len, n, cfg.num_experts)
     cache_len = args.prompt_len + n
     sb = decode_bench.step_bytes(engine, cfg, args.slots, args.prompt_len, n, cache_len, touched, kv_itemsize=2)
     decode_s = best_full - best_one
