@@ -43,11 +43,15 @@ def test_scale_run_tiny_cpu8(tmp_path):
         assert row["response_length"] > 0
         cfg = res["config"][recipe]
         assert cfg["rollout"]["placement"] == "collocated" and cfg["rl"]["use_tis"] and cfg["model"]["num_experts"] == 16
-    # bf16's bits depend on XLA:CPU's BF16 dots being row invariant on this host (conftest's row_invariant_cpu)
-    for unified in ("bf16", "fp8_block") if cpu_dots_row_invariant() else ("fp8_block",):
+    # bitwise where XLA:CPU's dots are row invariant (conftest's row_invariant_cpu); on an Intel Xeon host where they
+    # are not, the unified recipes differed by 1e-6 (bf16) / 7e-8 (fp8_block) before and after this test was written
+    bitwise = cpu_dots_row_invariant()
+    for unified in ("bf16", "fp8_block"):
         (row,) = res["rows"][unified]
-        assert row["train_rollout_logprob_abs_diff"] == 0.0 and row["train_rollout_max_abs_diff"] == 0.0, row
-        assert row["train_rollout_kl"] == 0.0
+        if bitwise:
+            assert row["train_rollout_logprob_abs_diff"] == 0.0 and row["train_rollout_max_abs_diff"] == 0.0, row
+            assert row["train_rollout_kl"] == 0.0
+        assert row["train_rollout_logprob_abs_diff"] < 1e-5, row
     assert res["rows"]["bf16_train_fp8_rollout"][0]["train_rollout_logprob_abs_diff"] > 0
     assert res["memory_note"] and res["ratios"]["fp8_vs_bf16_tokens_per_second"] > 0
     assert res["ratios"]["fp8_vs_bf16_peak_memory"] is None
