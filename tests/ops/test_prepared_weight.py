@@ -8,7 +8,7 @@ import pytest
 
 from jaxrl_fp8 import ops
 from jaxrl_fp8.ops.backends import prepare_fp8_weight
-from jaxrl_fp8.ops.operands import PreparedWeight, fp8_weight
+from jaxrl_fp8.ops.operands import PreparedWeight, fp8_weight, weight_values
 from jaxrl_fp8.precision import formats as F, quantize_weight
 
 
@@ -67,6 +67,7 @@ def test_operands_only_from_a_quantized_weight_keep_the_forward_bits(backend, ex
     qw = quantize_weight(w.astype(jnp.float32), F.FP8_BLOCK)
     prepared = prepare_fp8_weight(qw, backend)
     assert prepared.value is None and prepared.shape == qw.shape
+    _same(weight_values(prepared), qw.dequantize(jnp.float32))  # what a BF16 backward would multiply
     _same(prepared.q, qw.data)
     _same(prepared.scale, qw.scale)
     if experts is None:
