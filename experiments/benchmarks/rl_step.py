@@ -18,6 +18,11 @@ recipe's backward mode, and the weight push through the precision contract to th
 experts top-8, expert intermediate 768, 32 query / 4 KV heads of 128, vocab 151936, every layer MoE, `--layers` deep.
 Prompts: exactly 256 tokens (`<254 digits>=` with the built-in character tokenizer, the scale run's committed dataset;
 the vocabulary is padded to 151936). Responses: exactly the asked length (`rollout.ignore_eos`: no stop ids).
+Routing: the random embedding is drawn at `--embed-init-std` (default 1.0, config model.embed_init_std). At the init's
+0.02 every token of a row routes like the others (the residual is mostly attention's near-uniform average of these
+digit prompts) and a 64-row decode step reads ~30-40 of 128 experts, a quarter of what a load-balanced router reads, so
+the rollout's weight traffic and FP8's saving on it would be understated; each step records the spread it got
+(`rollout_experts_touched`: distinct experts a decode step reads, mean over steps and layers; the median per point).
 
 What is measured, per point: per step the trainer's own phase timers - rollout (prompt batch, generate, rewards), train
 = logprob (batch layout, old log-probs, mismatch metrics) + update (minibatch forward / backward / optimizer), sync (the
