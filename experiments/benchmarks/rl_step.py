@@ -541,7 +541,7 @@ def assemble(meta: dict, points: list[dict], warmup: int) -> dict:
 
 def table(result: dict) -> str:
     hdr = (f"{'recipe':<24} {'resp':>5} {'status':<8} {'rollout':>8} {'logprob':>8} {'update':>8} {'sync':>6} {'step':>8} "
-           f"{'tok/s':>9} {'trn tok/s':>9} {'peak GB':>8} {'|dlogp|':>9} {'K3 KL':>9}")
+           f"{'tok/s':>9} {'trn tok/s':>9} {'peak GB':>8} {'|dlogp|':>9} {'K3 KL':>9} {'experts':>7}")
     lines = [hdr, "-" * len(hdr)]
     f = lambda v, w, p=3: f"{v:>{w}.{p}g}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
     for p in result["points"]:
@@ -552,7 +552,8 @@ def table(result: dict) -> str:
                      f"{f(m.get('logprob_seconds'), 8)} {f(m.get('update_seconds'), 8)} {f(m.get('sync_seconds'), 6)} "
                      f"{f(m.get('step_seconds'), 8)} {f(s.get('tokens_per_second_end_to_end'), 9, 4)} "
                      f"{f((s.get('tokens_per_second_per_phase') or {}).get('train'), 9, 4)} {f(peak / 1e9 if peak else None, 8)} "
-                     f"{f(m.get('train_rollout_logprob_abs_diff'), 9, 2)} {f(m.get('train_rollout_kl'), 9, 2)}")
+                     f"{f(m.get('train_rollout_logprob_abs_diff'), 9, 2)} {f(m.get('train_rollout_kl'), 9, 2)} "
+                     f"{f(m.get('rollout_experts_touched'), 7)}")
         if p["status"] not in ("ok",):
             lines.append(f"    {p['status']}: {(p.get('error') or '')[:200]}")
     for length, entry in result["comparison"].items():
