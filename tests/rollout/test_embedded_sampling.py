@@ -167,6 +167,32 @@ def test_unit_temperature_branch_gives_the_general_branchs_bits():
     assert unit_tok[1] == 7  # an infinite logit is always drawn
 
 
+def test_a_static_plain_flag_gives_the_conditionals_bits_without_a_conditional():
+    """`plain=True` (every row checked with `plain_sampling` on the host) and `plain=False` take their branch with no
+    `lax.cond` (on a GPU a conditional waits for its predicate on the host every decode step) and give the bits the
+    device-side choice gives."""
+    rng = np.random.default_rng(12)
+    b, v = 5, 389
+    logits = (rng.normal(size=(b, v)) * 3).astype(np.float32)
+    logits[1, 7] = np.inf
+    logits[3, 10:20] = np.float32(1e-40)
+    temps = np.array([1.0, 0.0, 1.0, 1.0, 0.0], np.float32)
+    top_k, top_p = np.full(b, -1), np.ones(b, np.float32)
+    seeds, steps = rng.integers(0, 2**31 - 1, size=b), rng.integers(0, 1000, size=b)
+    assert all(S.plain_sampling(float(t), -1, 1.0, v) for t in temps)
+    assert not S.plain_sampling(0.7, -1, 1.0, v) and not S.plain_sampling(1.0, 5, 1.0, v) and not S.plain_sampling(1.0, -1, 0.9, v)
+    assert S.plain_sampling(1.0, v, 1.0, v)  # top-k of the whole vocabulary filters nothing
+    args = (logits, temps, top_k, top_p, seeds, steps)
+    outs = {plain: tuple(map(np.asarray, jax.jit(lambda *a, plain=plain: S.sample_with_logprobs(*a, plain=plain))(*args)))
+            for plain in (None, True, False)}
+    for plain in (True, False):
+        np.testing.assert_array_equal(outs[plain][0], outs[None][0])
+        np.testing.assert_array_equal(outs[plain][1].view(np.uint32), outs[None][1].view(np.uint32))
+    lowered = jax.jit(lambda *a: S.sample_with_logprobs(*a, plain=True)).lower(*args).as_text()
+    assert "stablehlo.case" not in lowered and "stablehlo.if" not in lowered
+    assert "stablehlo.case" in jax.jit(S.sample_with_logprobs).lower(*args).as_text()
+
+
 def _draw_many(logits_row, temperature, top_k, top_p, n=4000):
     v = logits_row.shape[0]
     logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, v))

@@ -207,7 +207,7 @@ def init_slots(cfg, *, slots: int, table_width: int, num_pages: int, page_size: 
                      jnp.ones((s,), bool), rows, jnp.zeros((int(prompts), cfg.vocab_size), jnp.float32))
 
 
-def _slot_step(model, precision, s: SlotState) -> SlotState:
+def _slot_step(model, precision, s: SlotState, plain: bool | None = None) -> SlotState:
     """One decode step of every active slot: feed its last drawn token, draw the next one (index = count).
 
     Inactive slots (finished or empty) run through the model with no page (their writes are dropped, so a
@@ -224,7 +224,7 @@ def _slot_step(model, precision, s: SlotState) -> SlotState:
     routed = s.routed.at[idx, jnp.where(active, s.count - 1, n)].set(out.routed_experts[:, 0], mode="drop")
     logits = out.logits[:, 0]
     r = s.rows
-    tok, lp = sampling.sample_with_logprobs(logits, r.temperature, r.top_k, r.top_p, r.seeds, s.count)
+    tok, lp = sampling.sample_with_logprobs(logits, r.temperature, r.top_k, r.top_p, r.seeds, s.count, plain=plain)
     col = jnp.where(active, s.count, n)
     tokens = s.tokens.at[idx, col].set(tok, mode="drop")
     logprobs = s.logprobs.at[idx, col].set(lp, mode="drop")
@@ -234,10 +234,12 @@ def _slot_step(model, precision, s: SlotState) -> SlotState:
     return dataclasses.replace(s, cache=cache, tokens=tokens, logprobs=logprobs, routed=routed, count=count, done=done)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "precision"), donate_argnames=("s",))
-def decode_slots(graphdef, state, s: SlotState, max_steps, need_finished, *, precision):
+@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "plain"), donate_argnames=("s",))
+def decode_slots(graphdef, state, s: SlotState, max_steps, need_finished, *, precision, plain: bool | None = None):
     """Decode on device until every slot is done, `max_steps` steps ran, or (need_finished > 0) that many slots
-    finished during this call (rows wait for them). Returns (state, steps run, sum over steps of active slots)."""
+    finished during this call (rows wait for them). Returns (state, steps run, sum over steps of active slots).
+    plain: every row of the call samples at temperature 1 (or greedy) without filters (`sampling.plain_sampling`):
+    the step then has no conditional (`sample_with_logprobs(plain=...)`)."""
     model = nnx.merge(graphdef, loop_operands(state))
     done0 = s.done
 
@@ -248,7 +250,7 @@ def decode_slots(graphdef, state, s: SlotState, max_steps, need_finished, *, pre
 
     def step(c):
         i, busy, s = c
-        return i + 1, busy + jnp.sum((~s.done).astype(jnp.int32)), _slot_step(model, precision, s)
+        return i + 1, busy + jnp.sum((~s.done).astype(jnp.int32)), _slot_step(model, precision, s, plain)
 
     steps, busy, s = lax.while_loop(running, step, (jnp.int32(0), jnp.int32(0), s))
     return s, steps, busy

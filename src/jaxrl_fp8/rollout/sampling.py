@@ -36,6 +36,7 @@ __all__ = [
     "keep_mask",
     "row_keys",
     "gumbel_noise",
+    "plain_sampling",
     "sample_with_logprobs",
     "sample_tokens",
 ]
@@ -115,7 +116,13 @@ def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
     return -lanewise(jnp.log, -lanewise(jnp.log, u))
 
 
-def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, steps) -> tuple[jax.Array, jax.Array]:
+def plain_sampling(temperature: float, top_k: int, top_p: float, vocab: int) -> bool:
+    """Host check of one request's parameters: temperature 1 or greedy (0), no top-k / top-p filter, RL's usual
+    setting. A batch whose every row is plain may call `sample_with_logprobs(plain=True)`."""
+    return temperature in (0.0, 1.0) and (top_k <= 0 or top_k >= vocab) and top_p >= 1.0
+
+
+def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, steps, *, plain: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row from logits [B, V] and give its rollout log-prob: (int32 [B], float32 [B]).
 
     temperature f32 [B] (0: greedy = first argmax of the logits), top_k int [B], top_p f32 [B], seeds int [B],
@@ -125,6 +132,10 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, steps) -> tup
     top-k / top-p, RL's usual setting, one branch skips the division: x / 1 = x exactly, so it gives the other
     branch's bits without writing the [B, V] divisor and quotient that `ieee_div` must materialise (a decode step
     of 256 rows: 2 x 156 MB). Only a batch in which some row filters sorts the vocabulary.
+
+    plain: None decides on the device (a `lax.cond`, which on a GPU waits for its predicate on the host: one
+    synchronisation per decode step); True (the caller checked every row with `plain_sampling`) or False take their
+    branch with no conditional. The three give the same bits.
     """
     logits = logits.astype(F32)
     b, v = logits.shape
@@ -148,6 +159,8 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, steps) -> tup
         threshold = lax.cond(filters, lambda: keep_threshold(z, top_k, top_p), lambda: jnp.full((b, 1), -jnp.inf, F32))
         return draw(z, jnp.where(filters, z >= threshold, True))
 
+    if plain is not None:
+        return unit_unfiltered() if plain else general()
     unit = jnp.all(effective_temperature(temperature) == 1.0)
     return lax.cond(unit & ~filters, unit_unfiltered, general)
 

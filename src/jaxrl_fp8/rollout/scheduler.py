@@ -40,6 +40,7 @@ import numpy as np
 
 from jaxrl_fp8.model.cache import PagePool, pages_for
 from jaxrl_fp8.rollout import programs
+from jaxrl_fp8.rollout.sampling import plain_sampling
 from jaxrl_fp8.rollout.types import Sample
 
 __all__ = ["ContinuousScheduler"]
@@ -87,6 +88,8 @@ class ContinuousScheduler:
         # (the flash kernel reads the pages of every prefill position, padding included)
         self.width = max(pages_for(width_tokens, ps), pages_for(self.prompt_bucket, ps))
         self.stop_width = _bucket(max(1, max(len(s) for s in stops)), 1)  # (a power of two: fewer programs)
+        vocab = engine.model_config.vocab_size
+        self.plain = all(plain_sampling(r.params.temperature, r.params.top_k, r.params.top_p, vocab) for r in rows)
         self.key = [r.prompt if self.sharing else i for i, r in enumerate(rows)]
         groups: dict[Any, list[int]] = {}
         for i, k in enumerate(self.key):
@@ -133,7 +136,8 @@ class ContinuousScheduler:
                         raise RuntimeError(f"continuous scheduler: {len(self.waiting)} rows wait on an idle engine")
                     break
                 self.s, steps, busy = programs.decode_slots(
-                    w.graphdef, w.state, self.s, ec.refill_every, 1 if self.waiting else 0, precision=eng.precision)
+                    w.graphdef, w.state, self.s, ec.refill_every, 1 if self.waiting else 0, precision=eng.precision,
+                    plain=self.plain)
                 st["decode_calls"] += 1
                 st["decode_steps"] += int(steps)
                 st["active_slot_steps"] += int(busy)
