@@ -19,3 +19,16 @@ def test_counts_distinct_experts_per_decode_step_and_layer():
 def test_no_decode_step_is_nan():
     routed = np.zeros((1, 3, 1, 1), np.int32)
     assert np.isnan(decode_experts_touched(routed, np.array([2]), np.array([1]), num_experts=4))
+
+
+def test_long_batches_count_a_bounded_sample_of_steps():
+    """A long response is counted on evenly spaced steps (host work bounded per RL step); the mean is unchanged when
+    every step routes alike."""
+    rng = np.random.default_rng(0)
+    b, p, t, layers, k, e = 4, 3, 5000, 2, 2, 16
+    step_routing = rng.integers(0, e, size=(b, 1, layers, k)).astype(np.int32)
+    routed = np.full((b, p + t, layers, k), -1, np.int32)
+    routed[:, p:] = step_routing  # every decode step: the same picks
+    want = np.mean([len(np.unique(step_routing[:, 0, layer])) for layer in range(layers)])
+    got = decode_experts_touched(routed, np.full(b, p), np.full(b, t), num_experts=e, max_steps=64)
+    assert got == want
