@@ -76,10 +76,11 @@ def _model(c, vocab_size: int):
 
 def _init_scaled(model, m):
     """The random model with its weights ~ normal(0, model.init_std) and its embedding ~ normal(0,
-    model.embed_init_std or init_std): Qwen3 draws normal(0, 0.02), rescaled here (the same distribution)."""
+    model.embed_init_std or init_std): Qwen3 draws normal(0, INIT_STD), rescaled here (the same distribution)."""
     from flax import nnx
 
-    base = 0.02
+    from jaxrl_fp8.model.qwen3 import INIT_STD as base
+
     std, embed_std = float(m.init_std), float(m.get("embed_init_std", 0.0) or m.init_std)
     if std == base and embed_std == base:
         return model

@@ -31,7 +31,10 @@ def _param(value, axes):
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+INIT_STD = 0.02  # the std of every random weight Qwen3 draws (norm scales start at 1)
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=INIT_STD):
     return (jax.random.normal(rngs.params(), shape, F32) * std).astype(dtype)
 
 
