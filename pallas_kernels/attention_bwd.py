@@ -19,7 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention_common import (
-    F32, LOG2E, a_operand, a_staging, block_pipeline, kernel_call, row_vector, swizzled, wgmma_fresh)
+    F32, LOG2E, a_operand, a_staging, block_pipeline, fully_visible_blocks, kernel_call, masked_unless, row_vector,
+    swizzled, wgmma_fresh)
 from pallas_kernels.interpret import launch
 from pallas_kernels.kernel_cache import traced_once
 
@@ -30,9 +31,11 @@ __all__ = ["backward"]
 
 
 def _probabilities(s, visible, lse2, c, lse_axis: int):
-    """p = 2^(c s - lse2) where visible, else exactly 0 (lse2 broadcast along the query axis of s)."""
+    """p = 2^(c s - lse2) where visible, else exactly 0 (lse2 broadcast along the query axis of s); visible None:
+    the whole block is visible (no mask computed)."""
     lse = lax.broadcast_in_dim(lse2, s.shape, [lse_axis])
-    return jnp.where(visible, jnp.exp2(s * c - lse), 0.0)
+    p = jnp.exp2(s * c - lse)
+    return p if visible is None else jnp.where(visible, p, 0.0)
 
 
 def _iota(shape, axis):
@@ -73,10 +76,11 @@ def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
             row_start = row_vector(start_ref.at[bi, pl.ds(row0, rows)])
             row_lse = row_vector(lse_ref.at[bi, hi, pl.ds(row0, rows)])
             row_delta = row_vector(delta_ref.at[bi, hi, pl.ds(row0, rows)])
+            bounds = fully_visible_blocks(start_ref[bi, row0 + rows - 1], row0, BWD_BLOCK)
             plgpu.barrier_wait(q_bar.at[wg])
             plgpu.barrier_wait(do_bar.at[wg])
             dq = plgpu.layout_cast(jnp.full((rows, d), 0.0, F32), plgpu.Layout.WGMMA)
-            dq = pipeline((dq, row_start, row_lse, row_delta))[0]
+            dq = pipeline((dq, row_start, row_lse, row_delta, bounds))[0]
             q_smem[...] = (dq * scale).astype(dtype)  # q is no longer read: its buffer stages dq
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[bi, pl.ds(row0, rows), hi])
@@ -84,20 +88,25 @@ def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
 
         def body(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
             (step,) = idx
-            dq, row_start, row_lse, row_delta = carry
+            dq, row_start, row_lse, row_delta, (lo, hi) = carry
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             row0 = qt * CTA_ROWS + wg * rows
             qk = wgmma_fresh(q_smem, k_smem.transpose((1, 0)), (rows, BWD_BLOCK))
-            key = _iota((rows, BWD_BLOCK), 1) + step * BWD_BLOCK
-            query = _iota((rows, BWD_BLOCK), 0) + row0
-            start = lax.broadcast_in_dim(row_start, (rows, BWD_BLOCK), [0])
-            p = _probabilities(qk, (key <= query) & (key >= start), row_lse, c, 0)
+
+            def visible():
+                key = _iota((rows, BWD_BLOCK), 1) + step * BWD_BLOCK
+                query = _iota((rows, BWD_BLOCK), 0) + row0
+                start = lax.broadcast_in_dim(row_start, (rows, BWD_BLOCK), [0])
+                return (key <= query) & (key >= start)
+
+            probabilities = lambda vis: _probabilities(qk, vis, row_lse, c, 0)
+            p = masked_unless((step >= lo) & (step < hi), probabilities, visible)
             dp = wgmma_fresh(do_smem, v_smem.transpose((1, 0)), (rows, BWD_BLOCK))
             plgpu.barrier_arrive(v_consumed)
             ds = p * (dp - lax.broadcast_in_dim(row_delta, dp.shape, [0]))
             dq = dq + wgmma_fresh(a_operand(ds.astype(dtype), ds_smem2, wg, interpret), k_smem, (rows, d))
             plgpu.barrier_arrive(k_consumed)
-            return dq, row_start, row_lse, row_delta
+            return dq, row_start, row_lse, row_delta, (lo, hi)
 
         kv_spec = plgpu.BlockSpec((BWD_BLOCK, d), lambda s: (s, 0), transforms=transforms)
         pipeline = block_pipeline(body, kv_steps, [kv_spec, kv_spec], stages=stages, compute_wgs=2,
@@ -153,10 +162,18 @@ def _dkv(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
             shape = (keys, BWD_BLOCK)  # rows: this warpgroup's keys; columns: the step's queries
             s_t = wgmma_fresh(k_smem, q_smem.transpose((1, 0)), shape)
             col = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-            key = _iota(shape, 0) + key0
-            query = _iota(shape, 1) + q_block * BWD_BLOCK
-            start = lax.broadcast_in_dim(col(start_smem), shape, [1])
-            p_t = _probabilities(s_t, (key <= query) & (key >= start), col(lse_smem), c, 1)
+
+            def visible():
+                key = _iota(shape, 0) + key0
+                query = _iota(shape, 1) + q_block * BWD_BLOCK
+                start = lax.broadcast_in_dim(col(start_smem), shape, [1])
+                return (key <= query) & (key >= start)
+
+            # every key of this warpgroup precedes every query of the block, and no query's segment starts after
+            # the first key (starts are non-decreasing: the block's last query has the largest)
+            full = (q_block * BWD_BLOCK >= key0 + keys - 1) & (start_smem[BWD_BLOCK - 1] <= key0)
+            probabilities = lambda vis: _probabilities(s_t, vis, col(lse_smem), c, 1)
+            p_t = masked_unless(full, probabilities, visible)
             dv = dv + wgmma_fresh(a_operand(p_t.astype(dtype), a_smem2, wg, interpret), do_smem, (keys, d))
             dp_t = wgmma_fresh(v_smem, do_smem.transpose((1, 0)), shape)
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(col(delta_smem), shape, [1]))

@@ -50,6 +50,21 @@ def test_forward_matches_float64_reference(h, hkv, d):
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("segments", [None, [0] * 100 + [1] * 300 + [2] * 112])
+def test_unmasked_blocks_keep_the_bits(segments):
+    """The unmasked path of fully visible key blocks changes no bit of out or lse (the decode kernel masks every
+    block)."""
+    from pallas_kernels.attention_fwd import forward
+
+    b, t, h, hkv, d = 1, 512, 2, 1, 64
+    q, k, v = _qkv(b, t, h, hkv, d, seed=3)
+    seg = None if segments is None else jnp.array([segments])
+    starts = A.segment_starts(seg, b, t)
+    run = lambda **kw: forward(q, k, v, starts, scale=d**-0.5, stages=2, interpret=_interpret(), **kw)
+    for got, want in zip(run(), run(mask_all_blocks=True)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
 def test_one_token_rows():
     q, k, v = _qkv(2, 1, 4, 2, 64)
     out = A.flash_attention(q, k, v, scale=0.125, interpret=_interpret())
