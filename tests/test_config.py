@@ -110,3 +110,26 @@ def test_random_init_std_and_embedding_std_are_applied():
         np.testing.assert_allclose(w, w0 * 2.0, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(scaled.final_norm.scale.get_value()), np.ones(c.model.hidden_size, np.float32))
     assert abs(float(jnp.std(default.embed.embedding.get_value())) - 0.02) < 2e-3
+
+
+def test_scaled_output_init_scales_only_the_residual_outputs():
+    """model.scaled_output_init draws attention o_proj and MLP / expert down_proj at init_std / sqrt(2 * layers)
+    (Megatron's scaled init); every other weight and the embedding keep their std."""
+    import numpy as np
+
+    from jaxrl_fp8 import train
+
+    c = base_config()
+    default = train._model(c, 100)
+    c.model.scaled_output_init = True
+    scaled = train._model(c, 100)
+    f = 1.0 / np.sqrt(2 * c.model.num_hidden_layers)
+    for i, (layer, layer0) in enumerate(zip(scaled.layers, default.layers)):
+        ffn, ffn0 = (getattr(x, "moe", None) or x.mlp for x in (layer, layer0))
+        for mod, mod0, factor in ((layer.attn.o_proj, layer0.attn.o_proj, f), (ffn.down_proj, ffn0.down_proj, f),
+                                  (layer.attn.q_proj, layer0.attn.q_proj, 1.0), (ffn.up_proj, ffn0.up_proj, 1.0)):
+            np.testing.assert_allclose(np.asarray(mod.weight.get_value()), np.asarray(mod0.weight.get_value()) * factor,
+                                       rtol=1e-6, err_msg=f"layer {i}")
+    np.testing.assert_array_equal(np.asarray(scaled.embed.embedding.get_value()),
+                                  np.asarray(default.embed.embedding.get_value()))
+

@@ -56,6 +56,7 @@ def test_tiny_two_steps_of_fp8_block(tmp_path):
     assert cfg["rollout"]["ignore_eos"] and cfg["rollout"]["routing_replay"] and cfg["rl"]["use_tis"]
     assert cfg["rollout"]["engine"] == "embedded" and cfg["model"]["num_experts"] == 16 and cfg["model"]["num_hidden_layers"] == 2
     assert cfg["model"]["embed_init_std"] == 1.0  # the random slice routes tokens apart (--embed-init-std)
+    assert cfg["model"]["scaled_output_init"] is True  # ... in every layer (--scaled-output-init)
     # minibatches of 2 rows, each gradient accumulated over two 1-row micro-batches (one optimizer update per minibatch)
     assert point["sizes"] == {"layers": 2, "prompts": 2, "samples": 2, "batch": 2, "steps": 2, "rows": 4,
                               "micro_batch": 1, "logprob_chunk": 1}

@@ -18,11 +18,16 @@ recipe's backward mode, and the weight push through the precision contract to th
 experts top-8, expert intermediate 768, 32 query / 4 KV heads of 128, vocab 151936, every layer MoE, `--layers` deep.
 Prompts: exactly 256 tokens (`<254 digits>=` with the built-in character tokenizer, the scale run's committed dataset;
 the vocabulary is padded to 151936). Responses: exactly the asked length (`rollout.ignore_eos`: no stop ids).
-Routing: the random embedding is drawn at `--embed-init-std` (default 1.0, config model.embed_init_std). At the init's
-0.02 every token of a row routes like the others (the residual is mostly attention's near-uniform average of these
-digit prompts) and a 64-row decode step reads ~30-40 of 128 experts, a quarter of what a load-balanced router reads, so
-the rollout's weight traffic and FP8's saving on it would be understated; each step records the spread it got
-(`rollout_experts_touched`: distinct experts a decode step reads, mean over steps and layers; the median per point).
+Routing: the random slice is drawn so that it routes like a trained MoE (decision record 0013): the embedding at
+`--embed-init-std` (default 1.0, config model.embed_init_std) and the residual-stream outputs (attention o_proj,
+expert down_proj) at init_std / sqrt(2 * layers) (`--scaled-output-init`, default on, config
+model.scaled_output_init: Megatron's scaled init). With the init's 0.02 everywhere every token of a row routes like
+the others (the residual is mostly attention's near-uniform average of these digit prompts); with the embedding alone
+at 1.0 the first layer spreads but the deeper ones collapse again (CPU, 6 layers, 64 rows of these prompts: 115 /
+102 / 86 / 75 / 58 / 57 experts per decode step; the H200 run of 2026-12-05 averaged 45-47 over 1k responses), and
+with both 125 / 125 / 124 / 122 / 122 / 120 (a load-balanced router: ~126). Fewer experts mean less weight traffic
+per decode step, which understates FP8's saving; each step records the spread it got (`rollout_experts_touched`:
+distinct experts a decode step reads, mean over steps and layers; the median per point).
 
 What is measured, per point: per step the trainer's own phase timers - rollout (prompt batch, generate, rewards), train
 = logprob (batch layout, old log-probs, mismatch metrics) + update (minibatch forward / backward / optimizer), sync (the
@@ -153,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "token of a row routes alike and a 64-row decode step touches ~30-40 of 128 experts, where a "
                         "trained (load-balanced) router spreads them over ~120; the JSON records the measured spread "
                         "(rollout_experts_touched: distinct experts a decode step reads, mean over steps and layers)")
+    p.add_argument("--scaled-output-init", action=argparse.BooleanOptionalAction, default=True,
+                   help="config model.scaled_output_init (default on): attention o_proj and expert down_proj drawn at "
+                        "init_std / sqrt(2 * layers), Megatron's scaled init; without it the deeper layers of the random "
+                        "slice route alike on the digit prompts (45-47 of 128 experts a decode step measured, ~123 with it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every point, repeatable (value parsed as a Python literal)")
@@ -262,6 +271,7 @@ def point_config(args, recipe: str, length: int, workdir: str):
         m[key] = value
     m.num_hidden_layers = s["layers"]
     m.embed_init_std = args.embed_init_std
+    m.scaled_output_init = bool(args.scaled_output_init)
     m.decoder_sparse_step = 1
     m.mlp_only_layers = ()
     m.norm_topk_prob = True
@@ -920,7 +930,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{recipe}:{length}", "--child-out", part_path,
                "--out", args.out, "--runs-dir", args.runs_dir,
                "--prompt-tokens", str(args.prompt_tokens), "--response-lengths", str(length), "--seed", str(args.seed),
-               "--recipes", recipe, "--embed-init-std", str(args.embed_init_std)]
+               "--recipes", recipe, "--embed-init-std", str(args.embed_init_std),
+               "--scaled-output-init" if args.scaled_output_init else "--no-scaled-output-init"]
         for flag, v in (("--layers", args.layers), ("--steps", args.steps), ("--prompts", args.prompts), ("--samples-per-prompt", args.samples_per_prompt),
                         ("--batch", args.batch), ("--micro-batch", args.micro_batch), ("--logit-chunk", args.logit_chunk), ("--logprob-chunk", args.logprob_chunk), ("--attention-impl", args.attention_impl)):
             if v is not None:

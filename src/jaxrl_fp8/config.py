@@ -54,6 +54,11 @@ def base_config() -> ml_collections.ConfigDict:
     # decode step of 64 rows touches ~30-40 of 128 experts instead of the ~120 a load-balanced (trained) router
     # spreads them over; 1.0 keeps each token's identity in the router input (benchmarks of MoE decode cost)
     c.model.embed_init_std = 0.0
+    # random init: the projections that write into the residual stream (attention o_proj, MLP / expert down_proj) at
+    # init_std / sqrt(2 * num_hidden_layers), Megatron's scaled init. Without it a deep random model's residual fills
+    # with the layers' context averages, and on low-diversity prompts the routing collapses with depth
+    # (decision record 0013); off by default, which keeps Qwen3's own draw
+    c.model.scaled_output_init = False
     c.model.vocab_size = 0  # random init only: 0 = the tokenizer's size; larger pads the vocab (ids past it decode to "")
 
     c.precision = ml_collections.ConfigDict()

@@ -74,19 +74,33 @@ def _model(c, vocab_size: int):
     return _init_scaled(Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(c.seed)), m)
 
 
+# the projections whose output is added to the residual stream (Megatron's scaled init applies to these)
+RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
+
+
 def _init_scaled(model, m):
-    """The random model with its weights ~ normal(0, model.init_std) and its embedding ~ normal(0,
-    model.embed_init_std or init_std): Qwen3 draws normal(0, INIT_STD), rescaled here (the same distribution)."""
+    """The random model with its weights ~ normal(0, model.init_std), its embedding ~ normal(0,
+    model.embed_init_std or init_std) and, with model.scaled_output_init, the residual-stream outputs
+    (`RESIDUAL_OUTPUTS`) ~ normal(0, init_std / sqrt(2 * layers)): Qwen3 draws normal(0, INIT_STD), rescaled here
+    (the same distribution)."""
+    import math
+
     from flax import nnx
 
     from jaxrl_fp8.model.qwen3 import INIT_STD as base
 
     std, embed_std = float(m.init_std), float(m.get("embed_init_std", 0.0) or m.init_std)
-    if std == base and embed_std == base:
+    out_std = std / math.sqrt(2 * m.num_hidden_layers) if m.get("scaled_output_init", False) else std
+    if std == base and embed_std == base and out_std == base:
         return model
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if path[-1] in ("weight", "embedding"):
-            var.set_value(var.get_value() * ((embed_std if path[-1] == "embedding" else std) / base))
+        if path[-1] == "embedding":
+            target = embed_std
+        elif path[-1] == "weight":
+            target = out_std if len(path) > 1 and path[-2] in RESIDUAL_OUTPUTS else std
+        else:
+            continue
+        var.set_value(var.get_value() * (target / base))
     return model
 
 
