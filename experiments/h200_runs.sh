@@ -26,7 +26,8 @@
 #   bash experiments/h200_runs.sh rl_step_long  # the same at 4k responses (bf16, fp8_block, then mixed if time is left)
 #   bash experiments/h200_runs.sh rl_step_accum # 1k responses as an RL recipe runs them: 4 optimizer updates a step
 #                                            # (minibatches of 16 rows, gradients accumulated over micro-batches of 4,
-#                                            # the loss's logits in chunks of 2048 positions; 6 layers: 112-119 GB measured on 2026-12-05)
+#                                            # the loss's logits in chunks of 2048 positions; 6 layers: 112-119 GB measured on 2026-12-05,
+#                                            # before train.run dropped its float32 model copy: ~17 GB less expected)
 #                                            # instead of 32 updates of 2 rows
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)

@@ -85,7 +85,10 @@ def test_run_benchmark_keys_on_step_ignore_eos_chunked_logprobs(tmp_path):
     (the built-in tokenizer's ~24-id vocabulary samples its EOS often at random init), and old log-probs recomputed
     in chunks (`rl.logprob_chunk_rows`, 16 rows in chunks of 3: a shorter last chunk) still equal the unified
     rollout's bit for bit."""
+    import gc
+
     from jaxrl_fp8.config import ConfigError
+    from jaxrl_fp8.model.qwen3 import Qwen3
     from jaxrl_fp8.train import run
 
     c = small_config(tmp_path, "fp8_block", steps=2)
@@ -95,12 +98,18 @@ def test_run_benchmark_keys_on_step_ignore_eos_chunked_logprobs(tmp_path):
     c.rl.logprob_chunk_rows = 3
     seen = []
 
+    alive = []
+
     def on_step(step, metrics):
         seen.append((step, dict(metrics)))
         metrics["extra_from_callback"] = 1.5
+        gc.collect()
+        alive.append(sum(isinstance(o, Qwen3) for o in gc.get_objects()))
 
     run(c, on_step=on_step)
     assert [s for s, _ in seen] == [1, 2]
+    # the float32 model is dropped once the trainer copied its masters (it held 4 B/param for the whole run)
+    assert alive == [0, 0], alive
     recs = read_metrics(str(tmp_path))
     for (_, m), r in zip(seen, recs):
         assert r["extra_from_callback"] == 1.5
