@@ -161,8 +161,11 @@ def test_programs_lower_for_the_gpu_on_cpu(tmp_path):
     lower for CUDA on this CPU machine with the ops choosing their Hopper kernels (how the full-size shapes were
     checked without a GPU: results/rl_step_memory_analysis_cpu.json, section lowered_for_cuda)."""
     out = tmp_path / "lower.json"
+    # head_dim 64: the flash kernels take the model, so the attention lowers to them too (not to the interpreter);
+    # 32 + 96 tokens a row: whole 128-slot pages of the paged cache
     p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--recipes", "fp8_block", "--memory-analysis",
-                        "--lower-platform", "cuda", "--out", str(out), "--runs-dir", str(tmp_path / "runs")],
+                        "--lower-platform", "cuda", "--set", "model.head_dim=64", "--response-lengths", "96", "--out", str(out),
+                        "--runs-dir", str(tmp_path / "runs")],
                        env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     doc = json.loads(out.read_text())
@@ -171,6 +174,7 @@ def test_programs_lower_for_the_gpu_on_cpu(tmp_path):
     for name in ("rollout", "logprob", "update", "sync"):
         assert entry[name].get("lowered_for") == "cuda", (name, entry[name])
     assert entry["update"]["mosaic_gpu_mentions"] > 0  # the FP8 GEMM kernels, not the XLA fallback
+    assert entry["update"]["flash_attention_mentions"] > 0 and entry["rollout"]["flash_attention_mentions"] > 0
 
 
 def test_memory_analysis_sections_are_kept_per_mode(bench):

@@ -753,7 +753,9 @@ def memory_analysis(args) -> int:
                     if args.lower_platform:
                         txt = jax.jit(fn).trace(*call()).lower(lowering_platforms=(args.lower_platform,)).as_text()
                         entry[name] = dict(lowered_for=args.lower_platform, lower_seconds=time.time() - t0,
-                                           mosaic_gpu_mentions=txt.count("mosaic_gpu"), hlo_text_chars=len(txt))
+                                           mosaic_gpu_mentions=txt.count("mosaic_gpu"),
+                                           flash_attention_mentions=txt.count("attention_fwd") + txt.count("attention_paged"),
+                                           hlo_text_chars=len(txt))
                         print(f"[rl_step] lowered {recipe_name} {length} {name} for {args.lower_platform}: {entry[name]}", flush=True)
                         continue
                     donated = Trainer.UPDATE_DONATED if name == "update" else ()  # as the trainer jits it

@@ -75,7 +75,11 @@ def resolve_impl(impl: str, head_dim: int, dtype) -> str:
 
 
 def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
+    """The kernels run compiled where the ops run theirs (`ops.backends.default_device_is_hopper`, which a tool
+    lowering for CUDA on a CPU host overrides), else in the Mosaic GPU interpreter."""
+    from jaxrl_fp8.ops import backends
+
+    return not backends.default_device_is_hopper()
 
 
 def sequence_attention(q, k, v, segment_ids, *, scale: float, impl: str):
