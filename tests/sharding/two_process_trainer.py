@@ -162,7 +162,7 @@ def export(trainer, cfg, workdir):
     os.replace = spy
     os.rename = lambda src, dst: (written.append(os.path.relpath(os.path.abspath(dst), workdir)), real_rename(src, dst))[1]
     try:
-        train._export_final(trainer, None, recipe, harness.fp8_policy(cfg), builtin_tokenizer(), workdir)
+        train._export_final(trainer, recipe, harness.fp8_policy(cfg), builtin_tokenizer(), workdir)
     finally:
         os.replace, os.rename = real_replace, real_rename
     return {"renames": sorted(written)}
