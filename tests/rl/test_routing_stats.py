@@ -32,3 +32,16 @@ def test_long_batches_count_a_bounded_sample_of_steps():
     want = np.mean([len(np.unique(step_routing[:, 0, layer])) for layer in range(layers)])
     got = decode_experts_touched(routed, np.full(b, p), np.full(b, t), num_experts=e, max_steps=64)
     assert got == want
+
+
+def test_many_rows_count_fewer_steps_with_the_same_mean():
+    """Host work is bounded by picks, not steps alone: a batch of many rows counts fewer steps (same mean when every
+    step routes alike)."""
+    rng = np.random.default_rng(1)
+    b, p, t, layers, k, e = 64, 2, 300, 3, 4, 32
+    step_routing = rng.integers(0, e, size=(b, 1, layers, k)).astype(np.int32)
+    routed = np.full((b, p + t, layers, k), -1, np.int32)
+    routed[:, p:] = step_routing
+    want = np.mean([len(np.unique(step_routing[:, 0, layer])) for layer in range(layers)])
+    capped = decode_experts_touched(routed, np.full(b, p), np.full(b, t), num_experts=e, max_picks=b * layers * k * 7)
+    assert capped == want == decode_experts_touched(routed, np.full(b, p), np.full(b, t), num_experts=e)
