@@ -50,9 +50,8 @@ unless preallocation is off). Parameters P = 2 x 151936 x 2048 (embedding, lm_he
 - weights: the update program takes FP32 masters + Adam moments (12 B/param), donated (updated in place), and needs
   the float32 gradient (4 B/param; with micro-batches their sum), plus the engine's BF16 rollout weights (2 B/param;
   ~1.2 with FP8 projections): ~18 B/param = 56 GB at 4 layers, 79 GB at 6 (measured: 6 layers at 1k with
-  `rl_step_accum`'s micro-batches peaked at 98.3-101.9 GB on 2026-12-04 and at 112.4 / 119.2 GB (fp8_block / bf16)
-  on 2026-12-05: `train.run` kept the float32 model alive beside the trainer's own copy of the masters, 4 B/param,
-  dropped since and not re-measured). fp8_block with the fp8 backward
+  `rl_step_accum`'s micro-batches peaked at 112.4 / 119.2 GB (fp8_block / bf16), which includes a float32 copy of
+  the model, 4 B/param, that `train.run` no longer keeps; not re-measured without it). fp8_block with the fp8 backward
   also holds its projections' e4m3 operands and their transposes for the whole update (`Trainer._prepared`: made
   once, not per micro-batch), ~2 B/param of the projections, of which the transposes (1 B) would otherwise live
   only during each layer's backward; not measured yet.
