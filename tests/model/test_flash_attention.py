@@ -15,6 +15,7 @@ import jaxrl_fp8.model as M
 from jaxrl_fp8.model.attention import resolve_impl
 from jaxrl_fp8.model.cache import PAGE_SIZE, init_paged_cache
 from jaxrl_fp8.ops.backends import default_device_is_hopper
+from tests.isolation import in_fresh_process
 
 CFG = M.tiny_config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_impl="flash")
 B, T, PROMPT = 2, 10, 6
@@ -68,6 +69,7 @@ def test_paged_decode_equals_full_forward_bitwise(policy):
     np.testing.assert_array_equal(np.concatenate(logits, 1), full)
 
 
+@in_fresh_process
 def test_engine_on_flash_kernels_matches_trainer(policy):
     """The embedded engine on the paged kernels (prefill + decode over pages of 128): its log-probs are the trainer
     recomputation's (fused training kernel) — bit for bit where XLA:CPU's dots are row invariant, else within

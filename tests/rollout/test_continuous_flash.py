@@ -8,11 +8,13 @@ import pytest
 import jaxrl_fp8.model as M
 from jaxrl_fp8.rollout.embedded import EmbeddedEngine, EngineConfig
 from jaxrl_fp8.rollout.types import SamplingParams
+from tests.isolation import in_fresh_process
 
 CFG = M.tiny_config(num_hidden_layers=1, mlp_only_layers=(), num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_impl="flash")
 
 
 @pytest.mark.slow
+@in_fresh_process
 def test_flash_continuous_with_shared_pages_equals_static():
     policy = M.random_policy(CFG, seed=4, dtype="bfloat16")
     long = list(range(1, 131))  # 130 tokens: one shared page of 128, then the copied last page
