@@ -29,6 +29,10 @@
 #                                            # the loss's logits in chunks of 2048 positions; 6 layers: 112-119 GB measured on 2026-12-05,
 #                                            # before train.run dropped its float32 model copy: ~17 GB less expected)
 #                                            # instead of 32 updates of 2 rows
+#   bash experiments/h200_runs.sh rl_step_onpolicy # the same 64 rows as ONE optimizer update a step (16 micro-batches of
+#                                            # 4 rows): slime's on-policy default (--num-steps-per-rollout 1), where the
+#                                            # per-update work (AdamW, FP8 weight quantization, gradient norm) is paid
+#                                            # once a step instead of 4 times -> its own JSON (points key on recipe+length)
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
 #   bash experiments/h200_runs.sh profile [DEADLINE_S]  # (~5-6 min of the 570 s default) where the time of one decode
@@ -165,6 +169,8 @@ case "${1:-}" in
   rl_step_long) rl_step 4096 "${2:-540}" rl_step_h200_4k ;;
   rl_step_accum) RL_STEP_ARGS="--layers 6 --batch 16 --micro-batch 4 --logit-chunk 2048 ${RL_STEP_ARGS:-}" \
       rl_step 1024 "${2:-540}" rl_step_h200_1k_accum ;;
+  rl_step_onpolicy) RL_STEP_ARGS="--layers 6 --batch 64 --micro-batch 4 --logit-chunk 2048 ${RL_STEP_ARGS:-}" \
+      rl_step 1024 "${2:-540}" rl_step_h200_1k_onpolicy ;;
   parallel) parallel "${2:-540}" ;;
   flash) $PY -m pytest -v -s -m gpu tests/pallas_kernels/test_attention.py tests/rollout/test_flash_rollout_gpu.py \
       tests/model/test_flash_attention.py -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/flash_gpu_tests.log" \

@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token positions per chunk of the loss's head / log-softmax / entropy (config "
                         "rl.logit_chunk_tokens; recomputed in the backward: no [tokens, vocab] logits; default: off)")
     p.add_argument("--logprob-chunk", type=int, default=None,
-                   help="rows per call of the old-log-prob pass (config rl.logprob_chunk_rows; default: --batch)")
+                   help="rows per call of the old-log-prob pass (config rl.logprob_chunk_rows; default: --micro-batch, else --batch)")
     p.add_argument("--attention-impl", default=None,
                    help="config.model.attention_impl (default: the config's, 'auto': the flash kernels on a Hopper GPU, "
                         "the exact scan on CPU)")
