@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import interpret as interpret_mode
 from pallas_kernels.kernel_cache import traced_once
 
 BLOCK_K = 128
@@ -82,14 +84,6 @@ def default_config(n: int, k: int) -> GemmConfig:
     if k // BLOCK_K < 16 or k % (2 * BLOCK_K):
         return GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
     return GemmConfig(max_concurrent_steps=2, k_blocks_per_step=2)
-
-
-def _num_sms(interpret: bool) -> int:
-    if interpret:
-        from pallas_kernels.interpret import INTERPRET_NUM_SMS
-
-        return INTERPRET_NUM_SMS
-    return jax.devices()[0].core_count
 
 
 def _swizzle_transforms(minor_elems: int, dtype) -> tuple:
@@ -299,7 +293,7 @@ def launch_persistent(kernel, out_type, *args, name: str, interpret: bool):
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(_num_sms(interpret),),
+        grid=(interpret_mode.num_sms(interpret),),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",

@@ -364,16 +364,6 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
     )
 
 
-def _launch(kernel, out_type, *args, name: str, interpret: bool):
-    """`launch_persistent` with an SM count also when lowering for CUDA on a machine without a GPU (tests)."""
-    from pallas_kernels.interpret import INTERPRET_NUM_SMS, launch
-
-    num_sms = INTERPRET_NUM_SMS if interpret else (getattr(jax.devices()[0], "core_count", None) or 132)
-    call = plgpu.kernel(
-        kernel, out_type=out_type, grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), kernel_name=name,
-    )
-    return launch(call, *args, interpret=interpret)
 
 
 @traced_once("num_groups", "interpret", "config")
@@ -399,7 +389,7 @@ def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups:
     sb_t = jnp.asarray(xt_scale, F32).T
     kernel = functools.partial(_persistent_kernel, cfg=cfg, mask_a=mask_a)
     out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
-    return _launch(kernel, out, table, dyt_q, xt_q, sa_t, sb_t, edge, name="gemm_wgrad_fp8", interpret=interpret)
+    return launch_persistent(kernel, out, table, dyt_q, xt_q, sa_t, sb_t, edge, name="gemm_wgrad_fp8", interpret=interpret)
 
 
 @traced_once("num_groups", "interpret", "config")

@@ -17,6 +17,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 INTERPRET_NUM_SMS = 3
 
 
+def num_sms(interpret: bool) -> int:
+    """Programs of a persistent kernel: INTERPRET_NUM_SMS in interpret mode, else the device's SM count, or an
+    H200's 132 where the device has none (lowering for CUDA on a CPU host). Callers go through this module
+    (`interpret.num_sms(...)`), so a test or tool can set it."""
+    if interpret:
+        return INTERPRET_NUM_SMS
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
 _warned_async = False
 
 

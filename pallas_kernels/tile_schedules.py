@@ -16,7 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.tiling import SMEM_PER_SM, SMEM_RESERVE, TileConfig, num_sms
+from pallas_kernels import interpret as interpret_mode
+from pallas_kernels.tiling import SMEM_PER_SM, SMEM_RESERVE, TileConfig
 
 F32 = jnp.float32
 
@@ -215,7 +216,7 @@ def persistent_kernel(body, *, name, out_shapes, in_tiles, out_tiles, ntiles, cf
     stages = cfg.stages
     tile_bytes = sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype, _, _ in (*in_tiles, *out_tiles))
     resident = max(1, min(cfg.ctas_per_sm, SMEM_PER_SM // (stages * tile_bytes + SMEM_RESERVE)))
-    nct = max(1, min(ntiles, num_sms(interpret) * resident))
+    nct = max(1, min(ntiles, interpret_mode.num_sms(interpret) * resident))
     stages = max(1, min(stages, pl.cdiv(ntiles, nct)))
     dynamic = cfg.schedule == "dynamic" and not interpret  # the interpreter can't run the inline atomic
     if dynamic:

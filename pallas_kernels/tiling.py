@@ -95,14 +95,6 @@ def interpret_context(interpret: bool):
     return gpu_interpret_mode()
 
 
-def num_sms(interpret: bool) -> int:
-    if interpret:
-        from pallas_kernels.interpret import INTERPRET_NUM_SMS  # noqa: PLC0415
-
-        return INTERPRET_NUM_SMS
-    return getattr(jax.devices()[0], "core_count", 132) or 132
-
-
 def swizzle_transforms(minor_elems: int, dtype) -> tuple:
     """Tiling + swizzle for an SMEM tile whose rows are `minor_elems` of `dtype` (bank-conflict-free loads)."""
     itemsize = jnp.dtype(dtype).itemsize

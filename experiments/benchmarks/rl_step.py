@@ -696,10 +696,10 @@ def memory_analysis(args) -> int:
         from jaxrl_fp8.ops import backends
 
         backends.default_device_is_hopper = lambda: True
-        from pallas_kernels import gemm_dense
+        from pallas_kernels import interpret as interpret_mode
 
-        real_num_sms = gemm_dense._num_sms  # the kernels size their persistent grid from the device: an H200's 132 SMs
-        gemm_dense._num_sms = lambda interpret: real_num_sms(interpret) if interpret else 132
+        real_num_sms = interpret_mode.num_sms  # the kernels size their persistent grid from the device: an H200's 132 SMs
+        interpret_mode.num_sms = lambda interpret: real_num_sms(interpret) if interpret else 132
     for length in args.lengths:
         s = point_sizes(args, length)
         for recipe_name in args.recipe_list:
