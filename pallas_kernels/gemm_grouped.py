@@ -4,9 +4,12 @@ Ragged tiling in place: rows stay where they are (no gather of x, no scatter of 
 into 2*tile_m-row blocks; a block that straddles a group boundary is computed once for each group that
 owns rows in it, and each of those work items stores only its group's rows (a few power-of-two TMA
 stores). There are at most ceil(M / tile) + E work items; the rows past sum(group_sizes) are one more
-"group" whose work items store zeros without any MMA. The tile routine, the numerics (one wgmma per
-128-wide K block, promoted as acc += p * (sa * sb)) and the row invariance are the dense kernel's: a row's
-result depends only on that row and its expert, never on where the block boundaries fall.
+"group" whose work items store zeros without any MMA. The numerics (one wgmma per 128-wide K block,
+promoted as acc += p * (sa * sb)) and the row invariance are the dense kernel's tile routine's: a row's
+result depends only on that row and its expert, never on where the block boundaries fall. Unlike the dense
+kernel, whose tiles are long (K / 128 blocks of a large GEMM), the grouped kernel keeps ONE TMA ring per SM
+running across all its tiles (`_grouped_kernel`), so a decode step's many short tiles pay no pipeline fill
+and drain each.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -22,13 +26,13 @@ from pallas_kernels.gemm_dense import (
     BLOCK_K,
     F32,
     GemmConfig,
+    _swizzle_transforms,
     b_scale_operand,
     check_operands,
     checked_scale_operand,
     launch_persistent,
-    scaled_tile_pipeline,
-    tile_scales,
     uses_row_scales,
+    zero_acc,
     zero_fill,
 )
 from pallas_kernels.kernel_cache import traced_once
@@ -141,25 +145,112 @@ def walk_items(items_gmem, o_gmem, out_smem, cfg, run_tile, split: str = "rows")
             zero_fill(store, tm, tn)
 
 
-def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig, row_scales: bool):
+def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig):
+    """One program per SM, three warpgroups: wg 2 streams each tile's K blocks (A rows, B rows, their scales) by TMA
+    through a ring of `max_concurrent_steps` buffers, wg 0 / 1 multiply and promote them (the tile routine's
+    arithmetic: one fresh wgmma per 128-wide K block, acc = acc + p * (sa * sb), blocks in order). All three walk
+    the same (work item, column tile) sequence (`walk_items`' order); the ring and its barriers run on across
+    tiles, so the next tile's loads stream while a tile's epilogue stores: with a few rows an expert (MoE decode)
+    a tile is only K / 128 blocks, and a pipeline per tile paid its fill and drain on every one."""
+    tm, tn = cfg.tile_m, cfg.tile_n
     cta_m, cta_n = cfg.cta_m, cfg.cta_n
-    allocations, run = scaled_tile_pipeline(cfg, a_gmem.shape[1] // BLOCK_K, row_scales)
+    cols = cfg.split == "cols"
+    stages = cfg.max_concurrent_steps
+    k_blocks = a_gmem.shape[1] // BLOCK_K
+    t_iters, n_iters = items_gmem.shape[1], o_gmem.shape[1] // cta_n
+    fp8_transforms = _swizzle_transforms(BLOCK_K, jnp.float8_e4m3fn)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    @functools.partial(
-        pl.run_scoped,
-        allocs=allocations(a_gmem, b_gmem.at[0], sa_gmem, tile_scales(sb_gmem.at[0], 0, cta_n, row_scales)),
-        out_smem=staging_smem(cfg, o_gmem.dtype),
+    def tile(index):
+        """(group, row block, column tile, first row, row count) of the walk's tile `index`."""
+        ti, ni = plgpu.planar_snake(index, (t_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+        g, blk, offset, size = (items_gmem[f, ti] for f in (GROUP, BLOCK, OFFSET, SIZE))
+        return g, blk, ni, offset, size
+
+    def scoped(a_smem, b_smem, sa_smem, sb_smem, out_smem, full, empty):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm", init_carry=jnp.int32(0))
+            def issued(info, carry):
+                g, blk, ni, _, size = tile(info.index[0])
+                rows, b_rows = pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+
+                def block(kb, it):
+                    slot = lax.rem(it, stages)
+
+                    @pl.when(it >= stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])  # both compute warpgroups are done with this buffer
+
+                    ks, bar = pl.ds(kb * BLOCK_K, BLOCK_K), full.at[slot]
+                    plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(b_gmem.at[g, b_rows, ks], b_smem.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(sa_gmem.at[kb, rows], sa_smem.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(sb_gmem.at[g, ni, kb], sb_smem.at[slot], bar)
+                    return it + 1
+
+                # only tiles of a real group load anything (the tail's zero tiles and unused items none)
+                return lax.fori_loop(0, jnp.where((size > 0) & (g >= 0), k_blocks, 0), block, carry)
+
+            # leave no arrival pending: the last `stages` buffers' consumers
+            @pl.loop(jnp.maximum(issued - stages, 0), issued)
+            def _(it):
+                plgpu.barrier_wait(empty.at[lax.rem(it, stages)])
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            a_rows = pl.ds(0, tm) if cols else pl.ds(wg * tm, tm)  # the A rows this warpgroup multiplies
+            b_cols = pl.ds(wg * tn, tn)  # its B rows (output columns) under split "cols"
+            own = pl.ds(wg * tm, tm)  # its entries of the row-mode B scales (b_scale_operand)
+
+            def one_block(_, carry):
+                acc, it = carry
+                slot = lax.rem(it, stages)
+                plgpu.barrier_wait(full.at[slot])
+
+                def scope(acc_ref):
+                    b = b_smem.at[slot, b_cols] if cols else b_smem.at[slot]
+                    plgpu.wgmma(acc_ref, a_smem.at[slot, a_rows], b.transpose((1, 0)))
+                    partial = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+                    s = plgpu.load(sa_smem.at[slot, a_rows], layout=row_layout) * plgpu.load(
+                        sb_smem.at[slot, own], layout=row_layout)
+                    plgpu.barrier_arrive(empty.at[slot])
+                    return acc + partial * lax.broadcast_in_dim(s, (tm, tn), [0])
+
+                return pl.run_scoped(scope, plgpu.ACC((tm, tn), F32)), it + 1
+
+            @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm", init_carry=jnp.int32(0))
+            def _tiles(info, carry):
+                g, blk, ni, offset, size = tile(info.index[0])
+                store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)], out_smem, tm, offset,
+                                     size, cfg.split)
+                real = (size > 0) & (g >= 0)
+                acc, carry = lax.fori_loop(0, jnp.where(real, k_blocks, 0), one_block, (zero_acc(tm, tn), carry))
+
+                @pl.when(size > 0)
+                def _():
+                    store(acc, wg)  # the tail's items store their zeros
+
+                return carry
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((stages, cta_m, BLOCK_K), jnp.float8_e4m3fn, transforms=fp8_transforms),
+        plgpu.SMEM((stages, cta_n, BLOCK_K), jnp.float8_e4m3fn, transforms=fp8_transforms),
+        plgpu.SMEM((stages, cta_m), F32),
+        plgpu.SMEM((stages, 2 * tm), F32),
+        staging_smem(cfg, o_gmem.dtype),
+        plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         collective_axes="wg",
     )
-    def _scope(allocs, out_smem):
-        def run_tile(g, blk, ni, store):
-            ms = pl.ds(blk * cta_m, cta_m)
-            sb = tile_scales(sb_gmem.at[g], ni, cta_n, row_scales)
-            run(a_gmem.at[ms], b_gmem.at[g, pl.ds(ni * cta_n, cta_n)], sa_gmem.at[:, ms], sb, store, allocs)
-
-        walk_items(items_gmem, o_gmem, out_smem, cfg, run_tile, cfg.split)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def weight_scale_operand(b_scale, cfg: GemmConfig | None = None):
@@ -184,6 +275,8 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_
         raise ValueError(f"gemm_grouped: group_sizes must be [{e}]; got {group_sizes.shape}")
     cfg = config or DEFAULT_CONFIG
     cfg.check(k, "gemm_grouped.grouped_block_scaled_matmul")
+    if not uses_row_scales(cfg, 128) or cfg.k_blocks_per_step != 1:
+        raise ValueError(f"gemm_grouped: config {cfg} is not one this kernel runs (tile_n 128, k_blocks_per_step 1)")
     if n % cfg.cta_n:
         raise ValueError(f"gemm_grouped: N={n} is not a multiple of the CTA tile's {cfg.cta_n} columns (split {cfg.split!r})")
     tile = cfg.cta_m
@@ -192,6 +285,6 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_
     a = jnp.pad(a_q, [(0, mp - m), (0, 0)]) if mp != m else a_q  # a copy only when M is not whole blocks
     sa_t = jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
     sb_t = checked_scale_operand(b_scale, b_scale_op, n, 128, cfg, "gemm_grouped.grouped_block_scaled_matmul")
-    kernel = functools.partial(_grouped_kernel, cfg=cfg, row_scales=uses_row_scales(cfg, 128))
+    kernel = functools.partial(_grouped_kernel, cfg=cfg)
     return launch_persistent(kernel, jax.ShapeDtypeStruct((m, n), out_dtype), items, a, b_q, sa_t, sb_t,
                              name="gemm_grouped_fp8", interpret=interpret)

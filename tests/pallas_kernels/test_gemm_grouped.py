@@ -7,7 +7,7 @@ import pytest
 
 from jaxrl_fp8.ops import reference as R
 from jaxrl_fp8.precision.fp8 import quantize_fp8_per_block, quantize_fp8_per_token_group
-from pallas_kernels import gemm_grouped
+from pallas_kernels import gemm_dense, gemm_grouped
 from pallas_kernels.gemm_dense import GemmConfig
 from tests.pallas_kernels.moe_data import EXPERTS, ROWS, ragged_sizes
 
@@ -112,6 +112,26 @@ def test_narrow_split_needs_two_column_tiles():
     with pytest.raises(ValueError, match="split"):
         gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, jnp.asarray([4, 6], jnp.int32), interpret=True,
                                                  config=GemmConfig(split="diagonal"))
+
+
+def test_interpret_ring_gives_the_dense_tile_routine_bits():
+    """Groups of whole 128-row blocks, so each expert's tiles hold exactly the rows a dense GEMM of its rows holds: the
+    grouped kernel's TMA ring (tiles of several items and the tail's zero tiles walked by each of the interpreter's
+    3 programs, buffers running on across tiles) gives the dense kernel's per-tile pipeline's bits, float32 and
+    bf16, K of 3 blocks (the ring's slots do not line up with tiles)."""
+    xq, sa, wq, sb = _operands(11, 600, 4, 256, 384)
+    gs = [128, 0, 256, 128]  # 512 rows in groups, 88 tail rows
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        y = np.asarray(gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, jnp.asarray(gs, jnp.int32), interpret=True,
+                                                                out_dtype=out_dtype).astype(jnp.float32))
+        start = 0
+        for g, size in enumerate(gs):
+            if size:
+                rows = slice(start, start + size)
+                dense = gemm_dense.block_scaled_matmul(xq[rows], sa[rows], wq[g], sb[g], interpret=True, out_dtype=out_dtype)
+                np.testing.assert_array_equal(y[rows].view(np.uint32), np.asarray(dense.astype(jnp.float32)).view(np.uint32))
+            start += size
+        assert np.all(y[512:] == 0)
 
 
 @SPLITS
