@@ -33,6 +33,7 @@
 #                                            # 4 rows): slime's on-policy default (--num-steps-per-rollout 1), where the
 #                                            # per-update work (AdamW, FP8 weight quantization, gradient norm) is paid
 #                                            # once a step instead of 4 times -> its own JSON (points key on recipe+length)
+#   bash experiments/h200_runs.sh kernels_vs_base  # the persistent paged attention / grouped GEMM ring vs .base (below)
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
 #   bash experiments/h200_runs.sh profile [DEADLINE_S]  # (~5-6 min of the 570 s default) where the time of one decode
@@ -188,6 +189,21 @@ case "${1:-}" in
       2>&1 | quiet | tee "$OUT/step_profile_update_accum.log"
     mkdir -p /tmp/update_hlo_kept && cp /tmp/update_hlo/*_update*after_optimizations.txt /tmp/update_hlo_kept/ 2>/dev/null
     tar czf "$OUT/update_hlo.tgz" -C /tmp update_hlo_kept ;;
+  kernels_vs_base)  # (~6 min) the persistent paged attention and the grouped GEMM's TMA ring against the build before
+                    # them, in the same call: their GPU bit tests, then the decode attention points and the decode GEMM
+                    # suite in .base (carried: `git archive 52655fe src pallas_kernels experiments/benchmarks | tar -x
+                    # -C .base`) and in this tree -> $OUT/{attention_decode,gemm_decode}_{base,new}.json
+    timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_attention.py tests/pallas_kernels/test_gemm_grouped.py \
+        tests/rollout/test_flash_rollout_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/kernels_gpu_tests.log" \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|bit-identical"
+    for tree in .base .; do
+      name=$([ "$tree" = . ] && echo new || echo base)
+      [ -d "$tree/pallas_kernels" ] || { echo "no $tree tree: skipped"; continue; }
+      (cd "$tree" && PYTHONPATH=src:. timeout 100 $PY experiments/benchmarks/attention.py --skip train \
+          --decode-batches 64,256 --out "$OUT/attention_decode_$name.json" 2>&1 | quiet | grep -E "^decode" )
+      (cd "$tree" && PYTHONPATH=src:. timeout 100 $PY experiments/benchmarks/gemm.py --suites decode \
+          --out "$OUT/gemm_decode_$name.json" 2>&1 | quiet | tail -12 )
+    done ;;
   decode_gemm) timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_gemm_grouped.py -p no:cacheprovider \
       2>&1 | tee "$OUT/decode_gemm_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
     timeout 300 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_h200.json" 2>&1 | quiet \
