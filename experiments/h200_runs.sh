@@ -33,7 +33,7 @@
 #                                            # 4 rows): slime's on-policy default (--num-steps-per-rollout 1), where the
 #                                            # per-update work (AdamW, FP8 weight quantization, gradient norm) is paid
 #                                            # once a step instead of 4 times -> its own JSON (points key on recipe+length)
-#   bash experiments/h200_runs.sh kernels_vs_base  # the persistent paged attention / grouped GEMM ring vs .base (below)
+#   bash experiments/h200_runs.sh kernels_vs_base  # the persistent paged attention / grouped GEMM rings vs .base (below)
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
 #   bash experiments/h200_runs.sh profile [DEADLINE_S]  # (~5-6 min of the 570 s default) where the time of one decode
@@ -194,7 +194,7 @@ case "${1:-}" in
                     # suite in .base (carried: `git archive 52655fe src pallas_kernels experiments/benchmarks | tar -x
                     # -C .base`) and in this tree -> $OUT/{attention_decode,gemm_decode}_{base,new}.json
     timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_attention.py tests/pallas_kernels/test_gemm_grouped.py \
-        tests/rollout/test_flash_rollout_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/kernels_gpu_tests.log" \
+        tests/pallas_kernels/test_gemm_grouped_bf16.py tests/rollout/test_flash_rollout_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/kernels_gpu_tests.log" \
         | grep -E "PASSED|FAILED|ERROR|passed|failed|bit-identical"
     for tree in .base .; do
       name=$([ "$tree" = . ] && echo new || echo base)

@@ -33,7 +33,6 @@ from pallas_kernels.gemm_dense import (
     launch_persistent,
     uses_row_scales,
     zero_acc,
-    zero_fill,
 )
 from pallas_kernels.kernel_cache import traced_once
 
@@ -116,40 +115,21 @@ def staging_smem(cfg, dtype):
     return plgpu.SMEM((2, cfg.tile_m, cfg.tile_n), dtype)
 
 
-def walk_items(items_gmem, o_gmem, out_smem, cfg, run_tile, split: str = "rows"):
-    """The persistent walk of the grouped kernels over (work item, output column tile).
-
-    run_tile(group, row block, column tile, store) computes an item of a real group; `store` writes only that
-    item's rows (row blocks past M are cropped there; A was padded to whole blocks). Items of the tail past
-    the groups store zeros. out_smem: a `staging_smem` tile. split: how the CTA tile is shared by the two
-    compute warpgroups (`GemmConfig.split`): row blocks of 2*tile_m rows and tile_n-wide column tiles, or of
-    tile_m rows and 2*tile_n columns.
-    """
-    tm, tn = cfg.tile_m, cfg.tile_n
-    cta_m, cta_n = (2 * tm, tn) if split == "rows" else (tm, 2 * tn)
-    t_iters, n_iters = items_gmem.shape[1], o_gmem.shape[1] // cta_n
-
-    @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm")
-    def _tiles(info):
-        ti, ni = plgpu.planar_snake(info.index[0], (t_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
-        g, blk, offset, size = (items_gmem[f, ti] for f in (GROUP, BLOCK, OFFSET, SIZE))
-        store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)], out_smem, tm, offset, size,
-                             split)
-
-        @pl.when((size > 0) & (g >= 0))
-        def _():
-            run_tile(g, blk, ni, store)
-
-        @pl.when((size > 0) & (g < 0))
-        def _():
-            zero_fill(store, tm, tn)
+def walk_tile(items_gmem, index, n_iters: int, cfg):
+    """Tile `index` of the grouped kernels' persistent walk over (work item, output column tile), the
+    planar-snake order of `cfg` (grid_minor_dim, grid_tile_width): (group, row block, column tile, first row,
+    row count). Group -1 is the tail past the groups (its tiles store zeros); count 0 marks an unused item."""
+    t_iters = items_gmem.shape[1]
+    ti, ni = plgpu.planar_snake(index, (t_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+    g, blk, offset, size = (items_gmem[f, ti] for f in (GROUP, BLOCK, OFFSET, SIZE))
+    return g, blk, ni, offset, size
 
 
 def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig):
     """One program per SM, three warpgroups: wg 2 streams each tile's K blocks (A rows, B rows, their scales) by TMA
     through a ring of `max_concurrent_steps` buffers, wg 0 / 1 multiply and promote them (the tile routine's
     arithmetic: one fresh wgmma per 128-wide K block, acc = acc + p * (sa * sb), blocks in order). All three walk
-    the same (work item, column tile) sequence (`walk_items`' order); the ring and its barriers run on across
+    the same (work item, column tile) sequence (`walk_tile`); the ring and its barriers run on across
     tiles, so the next tile's loads stream while a tile's epilogue stores: with a few rows an expert (MoE decode)
     a tile is only K / 128 blocks, and a pipeline per tile paid its fill and drain on every one."""
     tm, tn = cfg.tile_m, cfg.tile_n
@@ -161,12 +141,6 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
     fp8_transforms = _swizzle_transforms(BLOCK_K, jnp.float8_e4m3fn)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def tile(index):
-        """(group, row block, column tile, first row, row count) of the walk's tile `index`."""
-        ti, ni = plgpu.planar_snake(index, (t_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
-        g, blk, offset, size = (items_gmem[f, ti] for f in (GROUP, BLOCK, OFFSET, SIZE))
-        return g, blk, ni, offset, size
-
     def scoped(a_smem, b_smem, sa_smem, sb_smem, out_smem, full, empty):
         wg = lax.axis_index("wg")
 
@@ -176,7 +150,7 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
 
             @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm", init_carry=jnp.int32(0))
             def issued(info, carry):
-                g, blk, ni, _, size = tile(info.index[0])
+                g, blk, ni, _, size = walk_tile(items_gmem, info.index[0], n_iters, cfg)
                 rows, b_rows = pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
 
                 def block(kb, it):
@@ -226,7 +200,7 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
 
             @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm", init_carry=jnp.int32(0))
             def _tiles(info, carry):
-                g, blk, ni, offset, size = tile(info.index[0])
+                g, blk, ni, offset, size = walk_tile(items_gmem, info.index[0], n_iters, cfg)
                 store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)], out_smem, tm, offset,
                                      size, cfg.split)
                 real = (size > 0) & (g >= 0)

@@ -95,3 +95,21 @@ def test_gpu_decode_rows():
     x, w = _operands(5, 8, 32, 1536, 2048)
     gs = jnp.asarray([0] * 5 + [2, 0, 3, 1] + [0] * 23, jnp.int32)
     _check(G.grouped_matmul(x, w, gs), x, w, gs, tol=1e-5)
+
+
+def test_interpret_ring_gives_each_expert_the_bits_of_its_rows_alone():
+    """Groups of whole 128-row blocks, K of 5 tiles (the ring's slots do not line up with tiles): each expert's rows
+    in the grouped call, whose programs walk tiles of several items and the tail's zero tiles through one TMA ring,
+    have the bits of a one-group call on its rows alone (a different walk), in both layouts."""
+    x, w = _operands(4, 600, 4, 256, 320)
+    gs = [128, 0, 256, 128]
+    for layout, ww in (("nk", w), ("kn", jnp.swapaxes(w, 1, 2))):
+        y = np.asarray(G.grouped_matmul(x, ww, jnp.asarray(gs, jnp.int32), layout=layout, interpret=True))
+        start = 0
+        for g, size in enumerate(gs):
+            if size:
+                rows = slice(start, start + size)
+                alone = G.grouped_matmul(x[rows], ww[g : g + 1], jnp.asarray([size], jnp.int32), layout=layout, interpret=True)
+                np.testing.assert_array_equal(y[rows], np.asarray(alone))
+            start += size
+        assert np.all(y[512:] == 0)
