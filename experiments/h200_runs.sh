@@ -34,6 +34,7 @@
 #                                            # per-update work (AdamW, FP8 weight quantization, gradient norm) is paid
 #                                            # once a step instead of 4 times -> its own JSON (points key on recipe+length)
 #   bash experiments/h200_runs.sh kernels_vs_base  # the persistent paged attention / grouped GEMM rings vs .base (below)
+#   bash experiments/h200_runs.sh flash_dq   # the dq kernel's 64- vs 128-key steps, fwd+bwd TFLOP/s beside cuDNN
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
 #   bash experiments/h200_runs.sh profile [DEADLINE_S]  # (~5-6 min of the 570 s default) where the time of one decode
@@ -204,6 +205,9 @@ case "${1:-}" in
       (cd "$tree" && PYTHONPATH=src:. timeout 100 $PY experiments/benchmarks/gemm.py --suites decode \
           --out "$OUT/gemm_decode_$name.json" 2>&1 | quiet | tail -12 )
     done ;;
+  flash_dq)  # (~3 min) the backward's dq kernel at 64- and 128-key steps (FlashConfig.bwd_dq_keys) beside cuDNN, T = 4k / 16k
+    timeout 400 $PY experiments/benchmarks/attention.py --skip decode --lengths 4096,16384 --bwd-dq-keys 64,128 \
+        --out "$OUT/attention_dq_variants_h200.json" 2>&1 | quiet | grep -E "^train" ;;
   decode_gemm) timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_gemm_grouped.py -p no:cacheprovider \
       2>&1 | tee "$OUT/decode_gemm_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
     timeout 300 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_h200.json" 2>&1 | quiet \

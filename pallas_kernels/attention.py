@@ -50,6 +50,7 @@ class FlashConfig:
     fwd_stages: int = 2
     bwd_stages: int = 2
     paged_stages: int = 3
+    bwd_dq_keys: int = 64  # keys per step of the backward's dq kernel (64 or 128; the gradients' bits depend on it)
 
 
 def supports(head_dim: int, dtype) -> str | None:
@@ -133,7 +134,7 @@ def _flash_bwd(scale, config, interpret, res, dout):
     t = dout.shape[1]
     dop = _pad_rows(dout.astype(qp.dtype), qp.shape[1])
     dq, dk, dv = backward(qp, kp, vp, starts, out, dop, lse2, scale=scale, stages=config.bwd_stages,
-                          interpret=interpret)
+                          dq_keys=config.bwd_dq_keys, interpret=interpret)
     return dq[:, :t], dk[:, :t], dv[:, :t], None
 
 

@@ -1,7 +1,7 @@
 """Fused causal backward of the flash-attention family: dq, dk, dv from the saved base-2 log-sum-exp.
 
 Two kernels, no atomics (so the gradients are deterministic, though they need no batch invariance):
-  * dq: grid (query head, 128-row query tile, batch), like the forward; per key block of BWD_BLOCK keys it
+  * dq: grid (query head, 128-row query tile, batch), like the forward; per key block (64 or 128 keys) it
     recomputes p = 2^(c q.k - lse2), dp = do.v^T, ds = p (dp - delta), and accumulates dq += ds.k;
   * dk/dv: grid (key/value head, 128-key tile, batch); each compute warpgroup owns 64 keys and walks every
     query head of its GQA group and every 64-row query block from its first visible one, accumulating
@@ -24,7 +24,7 @@ from pallas_kernels.attention_common import (
 from pallas_kernels.interpret import launch
 from pallas_kernels.kernel_cache import traced_once
 
-BWD_BLOCK = 64  # keys per dq step, keys per dk/dv warpgroup, queries per dk/dv step
+BWD_BLOCK = 64  # keys per dq step (by default; `backward(dq_keys=)`), keys per dk/dv warpgroup, queries per dk/dv step
 CTA_ROWS = 2 * BWD_BLOCK
 
 __all__ = ["backward"]
@@ -42,15 +42,15 @@ def _iota(shape, axis):
     return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
 
 
-def _tile_pair_scratch(d, dtype, interpret):
+def _tile_pair_scratch(d, dtype, interpret, steps: int = BWD_BLOCK):
     """Per compute warpgroup: two resident 64-row operand tiles (q and do, or k and v) with their load barriers,
-    and the interpret-mode staging of the register operand."""
+    and the interpret-mode staging of the register operand (64 rows x `steps`, the pipeline's block)."""
     tile = plgpu.SMEM((2, BWD_BLOCK, d), dtype, transforms=swizzled(dtype))
     return [tile, tile, plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
-            a_staging((2, BWD_BLOCK, BWD_BLOCK), dtype, interpret)]
+            a_staging((2, BWD_BLOCK, steps), dtype, interpret)]
 
 
-def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
+def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, keys, interpret):
     b, t, h, d = q.shape
     hkv = k.shape[2]
     group = h // hkv
@@ -59,14 +59,14 @@ def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
     transforms = swizzled(dtype)
     rows = BWD_BLOCK
 
-    allocations = _tile_pair_scratch(d, dtype, interpret)
+    allocations = _tile_pair_scratch(d, dtype, interpret, keys)
 
     def scoped(q_ref, k_ref, v_ref, start_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem2, do_smem2, q_bar, do_bar,
                ds_smem2):
         bi, hi, qt = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
         wg = lax.axis_index("wg")
         kvh = lax.div(hi, jnp.int32(group))
-        kv_steps = pl.cdiv((qt + 1) * CTA_ROWS, jnp.int32(BWD_BLOCK))
+        kv_steps = pl.cdiv((qt + 1) * CTA_ROWS, jnp.int32(keys))
 
         def compute_thread(pipeline):
             row0 = qt * CTA_ROWS + wg * rows
@@ -76,7 +76,7 @@ def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
             row_start = row_vector(start_ref.at[bi, pl.ds(row0, rows)])
             row_lse = row_vector(lse_ref.at[bi, hi, pl.ds(row0, rows)])
             row_delta = row_vector(delta_ref.at[bi, hi, pl.ds(row0, rows)])
-            bounds = fully_visible_blocks(start_ref[bi, row0 + rows - 1], row0, BWD_BLOCK)
+            bounds = fully_visible_blocks(start_ref[bi, row0 + rows - 1], row0, keys)
             plgpu.barrier_wait(q_bar.at[wg])
             plgpu.barrier_wait(do_bar.at[wg])
             dq = plgpu.layout_cast(jnp.full((rows, d), 0.0, F32), plgpu.Layout.WGMMA)
@@ -91,24 +91,24 @@ def _dq(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
             dq, row_start, row_lse, row_delta, (lo, hi) = carry
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             row0 = qt * CTA_ROWS + wg * rows
-            qk = wgmma_fresh(q_smem, k_smem.transpose((1, 0)), (rows, BWD_BLOCK))
+            qk = wgmma_fresh(q_smem, k_smem.transpose((1, 0)), (rows, keys))
 
             def visible():
-                key = _iota((rows, BWD_BLOCK), 1) + step * BWD_BLOCK
-                query = _iota((rows, BWD_BLOCK), 0) + row0
-                start = lax.broadcast_in_dim(row_start, (rows, BWD_BLOCK), [0])
+                key = _iota((rows, keys), 1) + step * keys
+                query = _iota((rows, keys), 0) + row0
+                start = lax.broadcast_in_dim(row_start, (rows, keys), [0])
                 return (key <= query) & (key >= start)
 
             probabilities = lambda vis: _probabilities(qk, vis, row_lse, c, 0)
             p = masked_unless((step >= lo) & (step < hi), probabilities, visible)
-            dp = wgmma_fresh(do_smem, v_smem.transpose((1, 0)), (rows, BWD_BLOCK))
+            dp = wgmma_fresh(do_smem, v_smem.transpose((1, 0)), (rows, keys))
             plgpu.barrier_arrive(v_consumed)
             ds = p * (dp - lax.broadcast_in_dim(row_delta, dp.shape, [0]))
             dq = dq + wgmma_fresh(a_operand(ds.astype(dtype), ds_smem2, wg, interpret), k_smem, (rows, d))
             plgpu.barrier_arrive(k_consumed)
             return dq, row_start, row_lse, row_delta, (lo, hi)
 
-        kv_spec = plgpu.BlockSpec((BWD_BLOCK, d), lambda s: (s, 0), transforms=transforms)
+        kv_spec = plgpu.BlockSpec((keys, d), lambda s: (s, 0), transforms=transforms)
         pipeline = block_pipeline(body, kv_steps, [kv_spec, kv_spec], stages=stages, compute_wgs=2,
                                   compute_thread=compute_thread)
         pipeline(k_ref.at[bi, :, kvh, :], v_ref.at[bi, :, kvh, :])
@@ -204,12 +204,15 @@ def _dkv(q, k, v, starts, do, lse2, delta, *, scale, stages, interpret):
     return launch(call, q, k, v, starts, do, lse2, delta, interpret=interpret)
 
 
-@traced_once("scale", "stages", "interpret")
-def backward(q, k, v, starts, out, do, lse2, *, scale: float, stages: int, interpret: bool):
-    """Gradients of the forward (same padded shapes: T a multiple of 128): (dq, dk, dv) in q's dtype."""
+@traced_once("scale", "stages", "dq_keys", "interpret")
+def backward(q, k, v, starts, out, do, lse2, *, scale: float, stages: int, dq_keys: int = BWD_BLOCK, interpret: bool):
+    """Gradients of the forward (same padded shapes: T a multiple of 128): (dq, dk, dv) in q's dtype. dq_keys:
+    keys per step of the dq kernel (64 or 128; 128 halves its steps and doubles its wgmmas' width)."""
+    if dq_keys not in (BWD_BLOCK, CTA_ROWS):
+        raise ValueError(f"attention backward: dq_keys must be {BWD_BLOCK} or {CTA_ROWS}; got {dq_keys}")
     b, t, h, _ = q.shape
     delta = jnp.einsum("bthd,bthd->bht", do.astype(F32), out.astype(F32))
     args = (q, k, v, starts, do, lse2, delta)
-    dq = _dq(*args, scale=scale, stages=stages, interpret=interpret)
+    dq = _dq(*args, scale=scale, stages=stages, keys=dq_keys, interpret=interpret)
     dk, dv = _dkv(*args, scale=scale, stages=stages, interpret=interpret)
     return dq, dk, dv

@@ -122,12 +122,18 @@ def main(argv=None):
     p.add_argument("--decode-lengths", default="1024,4096,16384", help="decode cache lengths")
     p.add_argument("--iters", type=int, default=5, help="calls per timing repetition")
     p.add_argument("--skip", default="", help="comma list of parts to skip: train, decode")
+    p.add_argument("--bwd-dq-keys", default="64",
+                   help="comma list of the backward dq kernel's keys per step (FlashConfig.bwd_dq_keys) to time as "
+                        "separate 'flash' rows of the training points (default: %(default)s, the default config)")
     p.add_argument("--out", default="experiments/benchmarks/results/attention_h200.json", help="JSON path")
     a = p.parse_args(argv)
     dev = jax.devices()[0]
     results = {"device": dev.device_kind, "jax": jax.__version__, "python": platform.python_version(),
                "heads": [H, HKV], "head_dim": D, "date": time.strftime("%Y-%m-%d"), "points": []}
     skip = set(a.skip.split(","))
+    for keys in (int(x) for x in a.bwd_dq_keys.split(",") if x and int(x) != A.FlashConfig().bwd_dq_keys):
+        cfg = A.FlashConfig(bwd_dq_keys=keys)
+        IMPLS[f"flash (ours, dq {keys}-key steps)"] = lambda q, k, v, cfg=cfg: A.flash_attention(q, k, v, scale=D**-0.5, config=cfg)
     if "train" not in skip:
         training_points([int(x) for x in a.lengths.split(",")], a.iters, results, a.out)
     if "decode" not in skip:

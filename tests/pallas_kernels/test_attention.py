@@ -71,7 +71,9 @@ def test_one_token_rows():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.repeat(v, 2, axis=2)))  # softmax of one key is 1
 
 
-def test_gradients_match_autodiff_of_reference():
+@pytest.mark.parametrize("dq_keys", [64, 128])
+def test_gradients_match_autodiff_of_reference(dq_keys):
+    """Both key steps of the dq kernel (FlashConfig.bwd_dq_keys); the dk/dv kernel does not see the choice."""
     b, t, h, hkv, d = 1, 150, 4, 2, 64
     q, k, v = _qkv(b, t, h, hkv, d, seed=1)
     g = jax.random.normal(jax.random.key(9), (b, t, h, d)).astype(BF16)
@@ -87,11 +89,17 @@ def test_gradients_match_autodiff_of_reference():
         p = jax.nn.softmax(jnp.where(vis, s, -jnp.inf), -1)
         return jnp.einsum("btkgs,bskd->btkgd", p, v).reshape(b, t, h, d)
 
-    _, vjp = jax.vjp(lambda q, k, v: A.flash_attention(q, k, v, seg, scale=sc, interpret=_interpret()), q, k, v)
+    grads = lambda cfg: jax.vjp(lambda q, k, v: A.flash_attention(q, k, v, seg, scale=sc, config=cfg,
+                                                                  interpret=_interpret()), q, k, v)[1](g)
+    got = grads(A.FlashConfig(bwd_dq_keys=dq_keys))
     _, rvjp = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)))
-    for name, got, want in zip("qkv", vjp(g), rvjp(g.astype(jnp.float32))):
-        err = np.abs(np.asarray(got, np.float32) - np.asarray(want)).max()
+    for name, mine, want in zip("qkv", got, rvjp(g.astype(jnp.float32))):
+        err = np.abs(np.asarray(mine, np.float32) - np.asarray(want)).max()
         assert err < 2e-2 * np.abs(np.asarray(want)).max(), (name, err)
+    if dq_keys != 64:
+        default = grads(A.FlashConfig())
+        for mine, base in zip(got[1:], default[1:]):
+            np.testing.assert_array_equal(np.asarray(mine, np.float32), np.asarray(base, np.float32))
 
 
 def test_paged_matches_reference_with_shuffled_pages():
@@ -197,12 +205,14 @@ def test_gpu_long_rows_bits_and_accuracy():
 
 
 @pytest.mark.gpu
-def test_gpu_gradients():
+@pytest.mark.parametrize("dq_keys", [64, 128])
+def test_gpu_gradients(dq_keys):
     b, t, h, hkv, d = 1, 1024, 32, 4, 128
     q, k, v = _qkv(b, t, h, hkv, d, seed=6)
     g = jax.random.normal(jax.random.key(7), (b, t, h, d)).astype(BF16)
     seg = jnp.array([[0] * 300 + [1] * 724])
-    _, vjp = jax.vjp(lambda q, k, v: A.flash_attention(q, k, v, seg, scale=d**-0.5), q, k, v)
+    cfg = A.FlashConfig(bwd_dq_keys=dq_keys)
+    _, vjp = jax.vjp(lambda q, k, v: A.flash_attention(q, k, v, seg, scale=d**-0.5, config=cfg), q, k, v)
     starts = A.segment_starts(seg, b, t)
 
     def ref(q, k, v):

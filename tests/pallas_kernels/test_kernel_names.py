@@ -32,8 +32,8 @@ def _names(fn, *avals) -> set[str]:
     return {name for name in NAMES if re.search(rf"{name}_mosaic_gpu(?![A-Za-z0-9_])", txt)}
 
 
-def _flash_fwd_bwd(q, k, v):
-    return jax.grad(lambda q, k, v: attention.flash_attention(q, k, v, scale=0.125).astype(F32).sum(),
+def _flash_fwd_bwd(q, k, v, config=attention.FlashConfig()):
+    return jax.grad(lambda q, k, v: attention.flash_attention(q, k, v, scale=0.125, config=config).astype(F32).sum(),
                     argnums=(0, 1, 2))(q, k, v)
 
 
@@ -65,6 +65,8 @@ def test_kernel_lowers_under_its_name(monkeypatch, name):
     assert _names(fn, *avals) == {name}
 
 
-def test_flash_forward_and_backward_kernels_are_named():
+@pytest.mark.parametrize("dq_keys", [64, 128])
+def test_flash_forward_and_backward_kernels_are_named(dq_keys):
     q, kv = S((1, 256, 8, 128), BF16), S((1, 256, 2, 128), BF16)
-    assert _names(_flash_fwd_bwd, q, kv, kv) == {"attention_fwd", "attention_bwd_dq", "attention_bwd_dkv"}
+    fn = functools.partial(_flash_fwd_bwd, config=attention.FlashConfig(bwd_dq_keys=dq_keys))
+    assert _names(fn, q, kv, kv) == {"attention_fwd", "attention_bwd_dq", "attention_bwd_dkv"}
