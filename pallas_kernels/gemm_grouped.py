@@ -182,21 +182,48 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
             b_cols = pl.ds(wg * tn, tn)  # its B rows (output columns) under split "cols"
             own = pl.ds(wg * tm, tm)  # its entries of the row-mode B scales (b_scale_operand)
 
+            def mma(acc_ref, slot):
+                b = b_smem.at[slot, b_cols] if cols else b_smem.at[slot]
+                plgpu.wgmma(acc_ref, a_smem.at[slot, a_rows], b.transpose((1, 0)))
+
+            def promote(acc, acc_ref, slot, wait_n):
+                """acc + p * (sa * sb) of the block in `slot`, whose wgmma into acc_ref was issued; frees the slot."""
+                partial = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
+                s = plgpu.load(sa_smem.at[slot, a_rows], layout=row_layout) * plgpu.load(
+                    sb_smem.at[slot, own], layout=row_layout)
+                plgpu.barrier_arrive(empty.at[slot])
+                return acc + partial * lax.broadcast_in_dim(s, (tm, tn), [0])
+
             def one_block(_, carry):
                 acc, it = carry
                 slot = lax.rem(it, stages)
                 plgpu.barrier_wait(full.at[slot])
 
                 def scope(acc_ref):
-                    b = b_smem.at[slot, b_cols] if cols else b_smem.at[slot]
-                    plgpu.wgmma(acc_ref, a_smem.at[slot, a_rows], b.transpose((1, 0)))
-                    partial = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
-                    s = plgpu.load(sa_smem.at[slot, a_rows], layout=row_layout) * plgpu.load(
-                        sb_smem.at[slot, own], layout=row_layout)
-                    plgpu.barrier_arrive(empty.at[slot])
-                    return acc + partial * lax.broadcast_in_dim(s, (tm, tn), [0])
+                    mma(acc_ref, slot)
+                    return promote(acc, acc_ref, slot, 0)
 
                 return pl.run_scoped(scope, plgpu.ACC((tm, tn), F32)), it + 1
+
+            def two_blocks(_, carry):
+                """k_blocks_per_step 2: the second block's wgmma is issued before the first is promoted, so that
+                promotion runs under the tensor core's work; the promotions keep K order (the same bits)."""
+                acc, it = carry
+                s0, s1 = lax.rem(it, stages), lax.rem(it + 1, stages)
+                plgpu.barrier_wait(full.at[s0])
+                plgpu.barrier_wait(full.at[s1])
+
+                def scope(acc0, acc1):
+                    mma(acc0, s0)
+                    mma(acc1, s1)
+                    return promote(promote(acc, acc0, s0, 1), acc1, s1, 0)
+
+                return pl.run_scoped(scope, plgpu.ACC((tm, tn), F32), plgpu.ACC((tm, tn), F32)), it + 2
+
+            def tile_blocks(n, acc, it):
+                if cfg.k_blocks_per_step == 2:  # K is a multiple of 256 (GemmConfig.check)
+                    return lax.fori_loop(0, lax.div(n, 2), two_blocks, (acc, it))
+                return lax.fori_loop(0, n, one_block, (acc, it))
 
             @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm", init_carry=jnp.int32(0))
             def _tiles(info, carry):
@@ -204,7 +231,7 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
                 store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)], out_smem, tm, offset,
                                      size, cfg.split)
                 real = (size > 0) & (g >= 0)
-                acc, carry = lax.fori_loop(0, jnp.where(real, k_blocks, 0), one_block, (zero_acc(tm, tn), carry))
+                acc, carry = tile_blocks(jnp.where(real, k_blocks, 0), zero_acc(tm, tn), carry)
 
                 @pl.when(size > 0)
                 def _():
@@ -249,8 +276,8 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_
         raise ValueError(f"gemm_grouped: group_sizes must be [{e}]; got {group_sizes.shape}")
     cfg = config or DEFAULT_CONFIG
     cfg.check(k, "gemm_grouped.grouped_block_scaled_matmul")
-    if not uses_row_scales(cfg, 128) or cfg.k_blocks_per_step != 1:
-        raise ValueError(f"gemm_grouped: config {cfg} is not one this kernel runs (tile_n 128, k_blocks_per_step 1)")
+    if not uses_row_scales(cfg, 128):
+        raise ValueError(f"gemm_grouped: config {cfg} is not one this kernel runs (tile_n must be 128)")
     if n % cfg.cta_n:
         raise ValueError(f"gemm_grouped: N={n} is not a multiple of the CTA tile's {cfg.cta_n} columns (split {cfg.split!r})")
     tile = cfg.cta_m

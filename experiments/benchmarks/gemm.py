@@ -17,6 +17,7 @@ effect is measured against the same machine state.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import platform
@@ -390,7 +391,9 @@ def main(argv=None):
             dense_suite(64, n, k, dense_cfgs[:2] + [C(64, 64, 4, 16, 0), C(64, 64, 2, 16, 0)], f"attn_{name} decode M64", baseline)
         save()
     if "moe" in suites:
-        moe_suite([gemm_grouped.DEFAULT_CONFIG, dense_cfgs[0]], args.quick)  # the grouped default first
+        # the grouped default first; then two K blocks per step on the same TMA ring (same bits)
+        moe_suite([gemm_grouped.DEFAULT_CONFIG, dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=2)],
+                  args.quick)
         save()
     if "wgrad" in suites and "moe" not in suites:
         wgrad_only_suite()

@@ -134,6 +134,20 @@ def test_interpret_ring_gives_the_dense_tile_routine_bits():
         assert np.all(y[512:] == 0)
 
 
+def test_interpret_two_blocks_per_step_give_the_one_block_bits():
+    """k_blocks_per_step 2 (the second block's wgmma issued before the first's promotion) promotes in the same K
+    order: the same bits, both splits, ragged groups and the tail."""
+    import dataclasses
+
+    xq, sa, wq, sb = _operands(12, 300, 5, 256, 512)
+    gs = jnp.asarray([0, 129, 0, 150, 0], jnp.int32)
+    for base in (gemm_grouped.DEFAULT_CONFIG, gemm_grouped.NARROW_CONFIG):
+        one = np.asarray(gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True, config=base))
+        two = np.asarray(gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True,
+                                                                  config=dataclasses.replace(base, k_blocks_per_step=2)))
+        np.testing.assert_array_equal(two.view(np.uint32), one.view(np.uint32))
+
+
 @SPLITS
 def test_interpret_single_row(config):
     xq, sa, wq, sb = _operands(1, 1, 3, 256, 128)
