@@ -8,7 +8,7 @@ stores). There are at most ceil(M / tile) + E work items; the rows past sum(grou
 promoted as acc += p * (sa * sb)) and the row invariance are the dense kernel's tile routine's: a row's
 result depends only on that row and its expert, never on where the block boundaries fall. Unlike the dense
 kernel, whose tiles are long (K / 128 blocks of a large GEMM), the grouped kernel keeps ONE TMA ring per SM
-running across all its tiles (`_grouped_kernel`), so a decode step's many short tiles pay no pipeline fill
+running across all its tiles (`grouped_ring` on `tma_ring`), so a decode step's many short tiles pay no pipeline fill
 and drain each.
 """
 
@@ -34,6 +34,7 @@ from pallas_kernels.gemm_dense import (
     uses_row_scales,
     zero_acc,
 )
+from pallas_kernels import tma_ring
 from pallas_kernels.kernel_cache import traced_once
 
 # Rows of the work-item table (int32 [4, T]).
@@ -125,59 +126,67 @@ def walk_tile(items_gmem, index, n_iters: int, cfg):
     return g, blk, ni, offset, size
 
 
+def grouped_ring(items_gmem, o_gmem, out_smem, empty, *, cfg, cta_m: int, cta_n: int, split: str, stages: int,
+                 steps: int, issue, run_tile) -> None:
+    """Both sides of a grouped kernel's `tma_ring` over the (work item, column tile) walk of `walk_tile`.
+
+    Only tiles of a real group use the ring (`steps` ring steps each); the tail's items store zeros and unused
+    items nothing. issue(g, blk, ni, step, slot) issues a step's TMA copies into buffer `slot`; run_tile(wg,
+    steps, it) -> (acc, it) consumes a tile's steps from ring position `it` and returns warpgroup wg's float32
+    [tile_m, tile_n] result, which `masked_store` writes (only the item's rows)."""
+    n_iters = o_gmem.shape[1] // cta_n
+    num_tiles = items_gmem.shape[1] * n_iters
+
+    def tile_steps(g, size):
+        return jnp.where((size > 0) & (g >= 0), steps, 0)
+
+    def memory():
+        def tile(index):
+            g, blk, ni, _, size = walk_tile(items_gmem, index, n_iters, cfg)
+            return tile_steps(g, size), lambda j, slot: issue(g, blk, ni, j, slot)
+
+        tma_ring.produce(num_tiles, tile, stages=stages, empty=empty)
+
+    def compute(wg):
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+        def _tiles(info, carry):
+            g, blk, ni, offset, size = walk_tile(items_gmem, info.index[0], n_iters, cfg)
+            store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)], out_smem, cfg.tile_m,
+                                 offset, size, split)
+            acc, carry = run_tile(wg, tile_steps(g, size), carry)
+
+            @pl.when(size > 0)
+            def _():
+                store(acc, wg)  # the tail's items store their zeros
+
+            return carry
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    tma_ring.warp_specialized(memory, compute)
+
+
 def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg: GemmConfig):
-    """One program per SM, three warpgroups: wg 2 streams each tile's K blocks (A rows, B rows, their scales) by TMA
-    through a ring of `max_concurrent_steps` buffers, wg 0 / 1 multiply and promote them (the tile routine's
-    arithmetic: one fresh wgmma per 128-wide K block, acc = acc + p * (sa * sb), blocks in order). All three walk
-    the same (work item, column tile) sequence (`walk_tile`); the ring and its barriers run on across
-    tiles, so the next tile's loads stream while a tile's epilogue stores: with a few rows an expert (MoE decode)
-    a tile is only K / 128 blocks, and a pipeline per tile paid its fill and drain on every one."""
+    """`grouped_ring` with one ring step per 128-wide K block (A rows, expert B rows, both scales); warpgroups 0 / 1
+    multiply and promote in the tile routine's arithmetic: one fresh wgmma per K block, acc = acc + p * (sa * sb),
+    blocks in order. With a few rows an expert (MoE decode) a tile is only K / 128 blocks, and a pipeline per tile
+    would pay its fill and drain on every one."""
     tm, tn = cfg.tile_m, cfg.tile_n
     cta_m, cta_n = cfg.cta_m, cfg.cta_n
     cols = cfg.split == "cols"
     stages = cfg.max_concurrent_steps
-    k_blocks = a_gmem.shape[1] // BLOCK_K
-    t_iters, n_iters = items_gmem.shape[1], o_gmem.shape[1] // cta_n
     fp8_transforms = _swizzle_transforms(BLOCK_K, jnp.float8_e4m3fn)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def scoped(a_smem, b_smem, sa_smem, sb_smem, out_smem, full, empty):
-        wg = lax.axis_index("wg")
+        def issue(g, blk, ni, kb, slot):
+            rows, ks, bar = pl.ds(blk * cta_m, cta_m), pl.ds(kb * BLOCK_K, BLOCK_K), full.at[slot]
+            plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], bar)
+            plgpu.copy_gmem_to_smem(b_gmem.at[g, pl.ds(ni * cta_n, cta_n), ks], b_smem.at[slot], bar)
+            plgpu.copy_gmem_to_smem(sa_gmem.at[kb, rows], sa_smem.at[slot], bar)
+            plgpu.copy_gmem_to_smem(sb_gmem.at[g, ni, kb], sb_smem.at[slot], bar)
 
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-
-            @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm", init_carry=jnp.int32(0))
-            def issued(info, carry):
-                g, blk, ni, _, size = walk_tile(items_gmem, info.index[0], n_iters, cfg)
-                rows, b_rows = pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
-
-                def block(kb, it):
-                    slot = lax.rem(it, stages)
-
-                    @pl.when(it >= stages)
-                    def _():
-                        plgpu.barrier_wait(empty.at[slot])  # both compute warpgroups are done with this buffer
-
-                    ks, bar = pl.ds(kb * BLOCK_K, BLOCK_K), full.at[slot]
-                    plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], bar)
-                    plgpu.copy_gmem_to_smem(b_gmem.at[g, b_rows, ks], b_smem.at[slot], bar)
-                    plgpu.copy_gmem_to_smem(sa_gmem.at[kb, rows], sa_smem.at[slot], bar)
-                    plgpu.copy_gmem_to_smem(sb_gmem.at[g, ni, kb], sb_smem.at[slot], bar)
-                    return it + 1
-
-                # only tiles of a real group load anything (the tail's zero tiles and unused items none)
-                return lax.fori_loop(0, jnp.where((size > 0) & (g >= 0), k_blocks, 0), block, carry)
-
-            # leave no arrival pending: the last `stages` buffers' consumers
-            @pl.loop(jnp.maximum(issued - stages, 0), issued)
-            def _(it):
-                plgpu.barrier_wait(empty.at[lax.rem(it, stages)])
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
+        def run_tile(wg, n, it):
             a_rows = pl.ds(0, tm) if cols else pl.ds(wg * tm, tm)  # the A rows this warpgroup multiplies
             b_cols = pl.ds(wg * tn, tn)  # its B rows (output columns) under split "cols"
             own = pl.ds(wg * tm, tm)  # its entries of the row-mode B scales (b_scale_operand)
@@ -196,7 +205,7 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
 
             def one_block(_, carry):
                 acc, it = carry
-                slot = lax.rem(it, stages)
+                slot = tma_ring.slot(it, stages)
                 plgpu.barrier_wait(full.at[slot])
 
                 def scope(acc_ref):
@@ -209,7 +218,7 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
                 """k_blocks_per_step 2: the second block's wgmma is issued before the first is promoted, so that
                 promotion runs under the tensor core's work; the promotions keep K order (the same bits)."""
                 acc, it = carry
-                s0, s1 = lax.rem(it, stages), lax.rem(it + 1, stages)
+                s0, s1 = tma_ring.slot(it, stages), tma_ring.slot(it + 1, stages)
                 plgpu.barrier_wait(full.at[s0])
                 plgpu.barrier_wait(full.at[s1])
 
@@ -220,26 +229,12 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
 
                 return pl.run_scoped(scope, plgpu.ACC((tm, tn), F32), plgpu.ACC((tm, tn), F32)), it + 2
 
-            def tile_blocks(n, acc, it):
-                if cfg.k_blocks_per_step == 2:  # K is a multiple of 256 (GemmConfig.check)
-                    return lax.fori_loop(0, lax.div(n, 2), two_blocks, (acc, it))
-                return lax.fori_loop(0, n, one_block, (acc, it))
+            if cfg.k_blocks_per_step == 2:  # K is a multiple of 256 (GemmConfig.check)
+                return lax.fori_loop(0, lax.div(n, 2), two_blocks, (zero_acc(tm, tn), it))
+            return lax.fori_loop(0, n, one_block, (zero_acc(tm, tn), it))
 
-            @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm", init_carry=jnp.int32(0))
-            def _tiles(info, carry):
-                g, blk, ni, offset, size = walk_tile(items_gmem, info.index[0], n_iters, cfg)
-                store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)], out_smem, tm, offset,
-                                     size, cfg.split)
-                real = (size > 0) & (g >= 0)
-                acc, carry = tile_blocks(jnp.where(real, k_blocks, 0), zero_acc(tm, tn), carry)
-
-                @pl.when(size > 0)
-                def _():
-                    store(acc, wg)  # the tail's items store their zeros
-
-                return carry
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        grouped_ring(items_gmem, o_gmem, out_smem, empty, cfg=cfg, cta_m=cta_m, cta_n=cta_n, split=cfg.split,
+                     stages=stages, steps=a_gmem.shape[1] // BLOCK_K, issue=issue, run_tile=run_tile)
 
     pl.run_scoped(
         scoped,
@@ -248,8 +243,7 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
         plgpu.SMEM((stages, cta_m), F32),
         plgpu.SMEM((stages, 2 * tm), F32),
         staging_smem(cfg, o_gmem.dtype),
-        plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        *tma_ring.barriers(stages, loads_per_step=4),
         collective_axes="wg",
     )
 

@@ -14,7 +14,7 @@ x is [M, C]. C must be a multiple of 64 (one 128-byte swizzled K tile), O a mult
 
 Row invariance: a row's accumulator sums the same K tiles in the same order whatever block it lands in
 (wgmma computes rows independently), so its result depends only on the row and its expert.
-Persistent, with one TMA ring per SM across all its tiles (`_kernel`, as `gemm_grouped`'s FP8 kernel).
+Persistent, with one TMA ring per SM across all its tiles (`gemm_grouped.grouped_ring`, as the FP8 kernel).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemm_dense import F32, launch_persistent
-from pallas_kernels.gemm_grouped import masked_store, staging_smem, walk_tile, work_items
+from pallas_kernels import tma_ring
+from pallas_kernels.gemm_grouped import grouped_ring, staging_smem, work_items
 from pallas_kernels.kernel_cache import traced_once
 
 TILE_K = 64  # 64 bf16 = 128 bytes: the widest swizzle
@@ -106,90 +107,48 @@ def tile_pipeline(cfg: Bf16GroupedConfig, k_iters, layout: str, dtype):
 
 
 def _kernel(items_gmem, a_gmem, b_gmem, o_gmem, *, cfg: Bf16GroupedConfig, layout: str):
-    """One program per SM, three warpgroups, one TMA ring across all its tiles (as `gemm_grouped._grouped_kernel`):
-    wg 2 streams each real tile's 64-wide K tiles of A rows and B through `max_concurrent_steps` buffers, wg 0 / 1
-    accumulate them into the tile's wgmma accumulator in K order (`tile_pipeline`'s arithmetic), all walking the
-    (work item, column tile) sequence of `gemm_grouped.walk_tile`; the next tile's loads stream during a tile's store."""
+    """`gemm_grouped.grouped_ring` with one ring step per 64-wide K tile (A rows, B); warpgroups 0 / 1 accumulate
+    them into the tile's wgmma accumulator in K order (`tile_pipeline`'s arithmetic)."""
     tm, tn = cfg.tile_m, cfg.tile_n
     cta_m = 2 * tm
     stages = cfg.max_concurrent_steps
-    k_tiles = a_gmem.shape[1] // TILE_K
-    t_iters, n_iters = items_gmem.shape[1], o_gmem.shape[1] // tn
     transforms = _transforms(a_gmem.dtype)
     b_shape = (tn, TILE_K) if layout == "nk" else (TILE_K, tn)
 
     def scoped(a_smem, b_smem, out_smem, full, empty):
-        wg = lax.axis_index("wg")
+        def issue(g, blk, ni, kt, slot):
+            rows, ns, ks = pl.ds(blk * cta_m, cta_m), pl.ds(ni * tn, tn), pl.ds(kt * TILE_K, TILE_K)
+            plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], full.at[slot])
+            b_src = b_gmem.at[g, ns, ks] if layout == "nk" else b_gmem.at[g, ks, ns]
+            plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], full.at[slot])
 
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-
-            @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm", init_carry=jnp.int32(0))
-            def issued(info, carry):
-                g, blk, ni, _, size = walk_tile(items_gmem, info.index[0], n_iters, cfg)
-                rows, ns = pl.ds(blk * cta_m, cta_m), pl.ds(ni * tn, tn)
-
-                def step(kt, it):
-                    slot = lax.rem(it, stages)
-
-                    @pl.when(it >= stages)
-                    def _():
-                        plgpu.barrier_wait(empty.at[slot])  # both compute warpgroups are done with this buffer
-
-                    ks = pl.ds(kt * TILE_K, TILE_K)
-                    plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], full.at[slot])
-                    b_src = b_gmem.at[g, ns, ks] if layout == "nk" else b_gmem.at[g, ks, ns]
-                    plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], full.at[slot])
-                    return it + 1
-
-                return lax.fori_loop(0, jnp.where((size > 0) & (g >= 0), k_tiles, 0), step, carry)
-
-            @pl.loop(jnp.maximum(issued - stages, 0), issued)
-            def _(it):
-                plgpu.barrier_wait(empty.at[lax.rem(it, stages)])
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
+        def run_tile(wg, n, it):
             rows = pl.ds(wg * tm, tm)
 
-            @plgpu.nd_loop((t_iters * n_iters,), collective_axes="sm", init_carry=jnp.int32(0))
-            def _tiles(info, carry):
-                g, blk, ni, offset, size = walk_tile(items_gmem, info.index[0], n_iters, cfg)
-                store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * tn, tn)], out_smem, tm, offset, size)
-                steps = jnp.where((size > 0) & (g >= 0), k_tiles, 0)
+            def scope(acc_ref):
+                def step(_, it):
+                    slot = tma_ring.slot(it, stages)
+                    plgpu.barrier_wait(full.at[slot])
+                    b = b_smem.at[slot]
+                    plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b.transpose((1, 0)) if layout == "nk" else b)
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(empty.at[slot])
+                    return it + 1
 
-                def scope(acc_ref):
-                    def step(_, it):
-                        slot = lax.rem(it, stages)
-                        plgpu.barrier_wait(full.at[slot])
-                        b = b_smem.at[slot]
-                        plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b.transpose((1, 0)) if layout == "nk" else b)
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(empty.at[slot])
-                        return it + 1
+                it_end = lax.fori_loop(0, n, step, it)
+                return acc_ref[...], it_end
 
-                    it = lax.fori_loop(0, steps, step, carry)
-                    return acc_ref[...], it
+            return pl.run_scoped(scope, plgpu.ACC((tm, tn), F32))
 
-                acc, carry = pl.run_scoped(scope, plgpu.ACC((tm, tn), F32))
-
-                @pl.when(size > 0)
-                def _():
-                    store(acc, wg)  # the tail's items store their zeros
-
-                return carry
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        grouped_ring(items_gmem, o_gmem, out_smem, empty, cfg=cfg, cta_m=cta_m, cta_n=tn, split="rows", stages=stages,
+                     steps=a_gmem.shape[1] // TILE_K, issue=issue, run_tile=run_tile)
 
     pl.run_scoped(
         scoped,
         plgpu.SMEM((stages, cta_m, TILE_K), a_gmem.dtype, transforms=transforms),
         plgpu.SMEM((stages, *b_shape), b_gmem.dtype, transforms=transforms),
         staging_smem(cfg, o_gmem.dtype),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        *tma_ring.barriers(stages, loads_per_step=2),
         collective_axes="wg",
     )
 

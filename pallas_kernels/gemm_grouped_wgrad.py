@@ -42,7 +42,7 @@ from pallas_kernels.gemm_dense import (
     zero_acc,
     zero_fill,
 )
-from pallas_kernels import gemm_grouped_bf16
+from pallas_kernels import gemm_grouped_bf16, tma_ring
 from pallas_kernels.gemm_grouped import BLOCK, DEFAULT_CONFIG, GROUP, OFFSET, SIZE, work_items
 from pallas_kernels.kernel_cache import traced_once
 
@@ -213,10 +213,9 @@ def edge_blocks(a, items, edge_items):
 
 def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, o_gmem, *, cfg: WgradConfig,
                        mask_a: bool):
-    """One program per SM, three warpgroups: wg 2 streams TMA loads through a ring of `stages` buffers, wg 0 / 1
-    each compute 64 rows of a 128 x 128 output tile. Both walk the same tiles (expert-major, `nd_loop` over SMs)
-    and, per tile, the same blocks; the ring and its barriers run on across tiles, so the loads of the next tile
-    stream while a tile's epilogue stores (no pipeline fill or drain per tile)."""
+    """A `tma_ring` kernel: warpgroup 2 streams each tile's 128-row blocks (the expert's masked operand from the edge
+    copy where shared, the plain one, both scales), warpgroups 0 / 1 each compute 64 rows of the 128 x 128 output
+    tile; tiles expert-major over the SMs."""
     e, n, k = o_gmem.shape
     n_tiles, k_tiles = n // TILE, k // TILE
     per_expert = n_tiles * k_tiles
@@ -232,58 +231,37 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
         return g, lax.rem(local, n_tiles), lax.div(local, n_tiles)
 
     def scoped(a_smem, b_smem, sa_smem, sb_smem, out_smem, full, empty):
-        wg = lax.axis_index("wg")
+        def tile(index):
+            g, ni, ki = coords(index)
+            first, count = table_gmem[FIRST_BLOCK, g], table_gmem[COUNT, g]
+            first_edge, last_edge = table_gmem[FIRST_EDGE, g] != 0, table_gmem[LAST_EDGE, g] != 0
+            ns, ks = pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)
+            masked_gmem, masked_smem, masked_rows = (a_gmem, a_smem, ns) if mask_a else (b_gmem, b_smem, ks)
+            plain_gmem, plain_smem, plain_rows = (b_gmem, b_smem, ks) if mask_a else (a_gmem, a_smem, ns)
 
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            def load(j, slot):
+                blk = first + j
+                cols = pl.ds(blk * BLOCK_K, BLOCK_K)
+                at_first, at_last = j == 0, j == count - 1
+                is_edge = (at_first & first_edge) | (at_last & last_edge)
+                edge_cols = pl.ds((2 * g + jnp.where(at_first, 0, 1)) * BLOCK_K, BLOCK_K)
+                bar = full.at[slot]
 
-            @plgpu.nd_loop((e * per_expert,), collective_axes="sm", init_carry=jnp.int32(0))
-            def issued(info, carry):
-                g, ni, ki = coords(info.index[0])
-                first, count = table_gmem[FIRST_BLOCK, g], table_gmem[COUNT, g]
-                first_edge, last_edge = table_gmem[FIRST_EDGE, g] != 0, table_gmem[LAST_EDGE, g] != 0
-                ns, ks = pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)
-                masked_gmem, masked_smem, masked_rows = (a_gmem, a_smem, ns) if mask_a else (b_gmem, b_smem, ks)
-                plain_gmem, plain_smem, plain_rows = (b_gmem, b_smem, ks) if mask_a else (a_gmem, a_smem, ns)
+                @pl.when(is_edge)
+                def _():
+                    plgpu.copy_gmem_to_smem(edge_gmem.at[masked_rows, edge_cols], masked_smem.at[slot], bar)
 
-                def block(j, it):
-                    slot = lax.rem(it, stages)
+                @pl.when(jnp.logical_not(is_edge))
+                def _():
+                    plgpu.copy_gmem_to_smem(masked_gmem.at[masked_rows, cols], masked_smem.at[slot], bar)
 
-                    @pl.when(it >= stages)
-                    def _():
-                        plgpu.barrier_wait(empty.at[slot])  # both compute warpgroups are done with this buffer
+                plgpu.copy_gmem_to_smem(plain_gmem.at[plain_rows, cols], plain_smem.at[slot], bar)
+                plgpu.copy_gmem_to_smem(sa_gmem.at[blk, ns], sa_smem.at[slot], bar)
+                plgpu.copy_gmem_to_smem(sb_gmem.at[blk, ks], sb_smem.at[slot], bar)
 
-                    blk = first + j
-                    cols = pl.ds(blk * BLOCK_K, BLOCK_K)
-                    at_first, at_last = j == 0, j == count - 1
-                    is_edge = (at_first & first_edge) | (at_last & last_edge)
-                    edge_cols = pl.ds((2 * g + jnp.where(at_first, 0, 1)) * BLOCK_K, BLOCK_K)
-                    bar = full.at[slot]
+            return count, load
 
-                    @pl.when(is_edge)
-                    def _():
-                        plgpu.copy_gmem_to_smem(edge_gmem.at[masked_rows, edge_cols], masked_smem.at[slot], bar)
-
-                    @pl.when(jnp.logical_not(is_edge))
-                    def _():
-                        plgpu.copy_gmem_to_smem(masked_gmem.at[masked_rows, cols], masked_smem.at[slot], bar)
-
-                    plgpu.copy_gmem_to_smem(plain_gmem.at[plain_rows, cols], plain_smem.at[slot], bar)
-                    plgpu.copy_gmem_to_smem(sa_gmem.at[blk, ns], sa_smem.at[slot], bar)
-                    plgpu.copy_gmem_to_smem(sb_gmem.at[blk, ks], sb_smem.at[slot], bar)
-                    return it + 1
-
-                return lax.fori_loop(0, count, block, carry)
-
-            # leave no arrival pending: the last `stages` buffers' consumers
-            @pl.loop(jnp.maximum(issued - stages, 0), issued)
-            def _(it):
-                plgpu.barrier_wait(empty.at[lax.rem(it, stages)])
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
+        def compute(wg):
             rows = pl.ds(wg * tm, tm)
 
             def mma(acc_ref, slot):
@@ -297,7 +275,7 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
 
             def one_block(_, carry):
                 acc, it = carry
-                slot = lax.rem(it, stages)
+                slot = tma_ring.slot(it, stages)
                 plgpu.barrier_wait(full.at[slot])
 
                 def scope(acc_ref):
@@ -311,7 +289,7 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
 
             def two_blocks(_, carry):
                 acc, it = carry
-                s0, s1 = lax.rem(it, stages), lax.rem(it + 1, stages)
+                s0, s1 = tma_ring.slot(it, stages), tma_ring.slot(it + 1, stages)
                 plgpu.barrier_wait(full.at[s0])
                 plgpu.barrier_wait(full.at[s1])
 
@@ -351,6 +329,9 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+        tma_ring.warp_specialized(
+            lambda: tma_ring.produce(e * per_expert, tile, stages=stages, empty=empty), compute)
+
     pl.run_scoped(
         scoped,
         plgpu.SMEM((stages, TILE, BLOCK_K), jnp.float8_e4m3fn, transforms=fp8_transforms),
@@ -358,8 +339,7 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
         plgpu.SMEM((stages, TILE), F32),
         plgpu.SMEM((stages, TILE), F32),
         plgpu.SMEM((2, tm, TILE), F32, transforms=_swizzle_transforms(TILE, F32)),
-        plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        *tma_ring.barriers(stages, loads_per_step=4),
         collective_axes="wg",
     )
 

@@ -1,0 +1,71 @@
+"""The warp-specialized TMA ring of the persistent GEMM kernels (grouped FP8 / BF16 forward, FP8 weight gradient).
+
+One program per SM, three warpgroups: warpgroup 2 (40 registers) walks the program's tiles and issues each tile's
+TMA loads into a ring of `stages` buffers; warpgroups 0 and 1 (232 registers) walk the same tiles and consume the
+buffers in the same order. Buffer i is guarded by `full[i % stages]` (the loads of a step complete on it) and
+`empty[i % stages]` (both compute warpgroups arrive once they have read it). The ring's position runs on from
+tile to tile, so the next tile's loads stream while a tile's epilogue stores: no pipeline fill or drain per tile.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["barriers", "produce", "slot", "warp_specialized"]
+
+
+def barriers(stages: int, loads_per_step: int):
+    """The ring's (full, empty) barrier allocations: `loads_per_step` TMA copies complete a step's buffer, two
+    compute warpgroups free it."""
+    return (plgpu.Barrier(num_arrivals=loads_per_step, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+
+
+def warp_specialized(memory, compute):
+    """Run memory() on warpgroup 2 and compute(wg) on warpgroups 0 / 1, with the ring's register split."""
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        memory()
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        compute(wg)
+
+
+def slot(it, stages: int):
+    return lax.rem(it, stages)
+
+
+def produce(num_tiles: int, tile, *, stages: int, empty) -> None:
+    """The memory warpgroup's walk over the persistent grid's tiles (`nd_loop` over "sm", as the compute side's).
+
+    tile(index) -> (steps, load): the tile's number of ring steps and load(step, slot), which issues that step's
+    TMA copies into buffer `slot` (completing on its `full` barrier). A buffer is refilled only once both compute
+    warpgroups have freed it; at the end the last `stages` buffers' frees are awaited, so no arrival is pending."""
+
+    @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+    def issued(info, carry):
+        steps, load = tile(info.index[0])
+
+        def step(j, it):
+            s = slot(it, stages)
+
+            @pl.when(it >= stages)
+            def _():
+                plgpu.barrier_wait(empty.at[s])
+
+            load(j, s)
+            return it + 1
+
+        return lax.fori_loop(0, steps, step, carry)
+
+    @pl.loop(jnp.maximum(issued - stages, 0), issued)
+    def _(it):
+        plgpu.barrier_wait(empty.at[slot(it, stages)])
