@@ -191,7 +191,7 @@ def test_pause_blocks_new_generation_until_continue(server):
     done = threading.Event()
     out = []
     t = threading.Thread(target=lambda: (out.append(client.generate(
-        GenerateRequest(0, (4,), SamplingParams(max_new_tokens=3), "r"))), done.set()))
+        GenerateRequest(0, (4,), SamplingParams(max_new_tokens=3, ignore_eos=True), "r"))), done.set()))
     t.start()
     assert not done.wait(0.4), "generation ran while paused"
     assert requests.get(server.url + "/health", timeout=5).status_code == 200  # control plane still answers
