@@ -148,6 +148,27 @@ def test_compare_and_table_side_by_side():
     assert c["fp8_block_over_bf16"] == pytest.approx({"wall": 4 / 3, "kernels": 1.5})
     text = sp.table(pts, sp.compare(pts))
     assert "| fp8 grouped GEMM (ours) | 2.000 | 1.000 |" in text and "## decode, fp8_block (module; trace x)" in text
+    assert "ceiling if FP8's products took no time" in text
+
+
+def test_amdahl_splits_the_products_fp8_runs_from_the_rest():
+    dense = "bf16 dense GEMM (ours: split-BF16 router / lm_head / projections)"
+    cats = {"bf16 grouped GEMM (ours)": {"bf16": 60.0, "fp8_block": 0.0},
+            "fp8 grouped GEMM (ours)": {"bf16": 0.0, "fp8_block": 25.0},
+            "fp8 dense GEMM (ours)": {"bf16": 0.0, "fp8_block": 5.0},
+            "quantize (ours)": {"bf16": 0.0, "fp8_block": 10.0},
+            dense: {"bf16": 50.0, "fp8_block": 42.0},  # fp8_block keeps the lm_head / router here: 8 ms moved
+            "dense GEMM (cuBLAS / CUTLASS / XLA dot)": {"bf16": 20.0, "fp8_block": 22.0},  # more in fp8: nothing moved
+            "fusions (loop / elementwise)": {"bf16": 70.0, "fp8_block": 60.0}}
+    bf16_total = 60 + 50 + 20 + 70
+    fp8_total = 25 + 5 + 10 + 42 + 22 + 60
+    a = sp.amdahl(cats, bf16_total, fp8_total)
+    assert a["bf16_ms_of_the_products"] == pytest.approx(68.0)
+    assert a["fp8_ms_of_the_products_with_quantizers"] == pytest.approx(40.0) and a["quantizers_ms"] == 10.0
+    assert a["products_speedup"] == pytest.approx(68 / 40)
+    assert a["bf16_ms_of_the_rest"] == pytest.approx(bf16_total - 68) and a["fp8_ms_of_the_rest"] == pytest.approx(124.0)
+    assert a["ceiling_if_fp8_products_took_no_time"] == pytest.approx(bf16_total / 124)
+    assert sp.amdahl({"fusions (loop / elementwise)": {"bf16": 5.0, "fp8_block": 6.0}}, 5.0, 6.0) is None  # no FP8 kernel ran
 
 
 @pytest.mark.slow

@@ -545,6 +545,37 @@ def update_point(args, recipe_name: str, model, trace_dir: str) -> dict:
     return point
 
 
+# The products fp8_block moves onto FP8 kernels, by category: in fp8_block its FP8 GEMMs and the quantizers that feed
+# them; in bf16 its grouped kernels whole, and of the dense categories the part fp8_block no longer runs there (both
+# recipes keep the split-BF16 router / lm_head on the dense BF16 kernel and the lm_head's backward on XLA dots).
+FP8_PRODUCT_CATEGORIES = ("fp8 grouped GEMM (ours)", "fp8 grouped wgrad (ours)", "fp8 dense GEMM (ours)", "quantize (ours)")
+BF16_PRODUCT_CATEGORIES = ("bf16 grouped GEMM (ours)",)
+BF16_PRODUCT_CATEGORIES_BY_DIFFERENCE = ("bf16 dense GEMM (ours: split-BF16 router / lm_head / projections)",
+                                         "dense GEMM (cuBLAS / CUTLASS / XLA dot)")
+
+
+def amdahl(categories: dict[str, dict[str, float]], bf16_kernel_ms: float, fp8_kernel_ms: float) -> dict:
+    """How much of a program FP8 can speed up, from the per-category kernel times of bf16 and fp8_block: the products
+    fp8_block runs on FP8 kernels (with their quantizers) against the same products in bf16, the rest of each recipe,
+    and the kernel-time ratio if FP8's products and quantizers took no time (the rest of fp8_block alone): a target
+    ratio above that ceiling needs the rest to shrink, not faster FP8 kernels. None where fp8_block ran no FP8 kernel
+    (CPU: its products are XLA dots, not told apart from the rest by name)."""
+    get = lambda cat, r: categories.get(cat, {}).get(r, 0.0) or 0.0  # noqa: E731
+    fp8 = sum(get(c, "fp8_block") for c in FP8_PRODUCT_CATEGORIES)
+    if fp8 <= 0:
+        return None
+    bf16 = sum(get(c, "bf16") for c in BF16_PRODUCT_CATEGORIES) + sum(
+        max(0.0, get(c, "bf16") - get(c, "fp8_block")) for c in BF16_PRODUCT_CATEGORIES_BY_DIFFERENCE)
+    fp8_rest, bf16_rest = fp8_kernel_ms - fp8, bf16_kernel_ms - bf16
+    return {"bf16_ms_of_the_products": bf16, "fp8_ms_of_the_products_with_quantizers": fp8,
+            "quantizers_ms": get("quantize (ours)", "fp8_block"),
+            "products_speedup": bf16 / fp8,
+            "bf16_share_of_the_products": bf16 / bf16_kernel_ms if bf16_kernel_ms else None,
+            "bf16_ms_of_the_rest": bf16_rest, "fp8_ms_of_the_rest": fp8_rest,
+            "rest_speedup": bf16_rest / fp8_rest if fp8_rest > 0 else None,
+            "ceiling_if_fp8_products_took_no_time": bf16_kernel_ms / fp8_rest if fp8_rest > 0 else None}
+
+
 def compare(points: list[dict]) -> dict:
     """Per program: every recipe's wall, kernel time, gap and per-category ms side by side."""
     out = {}
@@ -565,6 +596,9 @@ def compare(points: list[dict]) -> dict:
             entry["fp8_block_over_bf16"] = {
                 "wall": wb / wf if wb and wf else None,
                 "kernels": b["per_step"]["kernel_ms"] / f["per_step"]["kernel_ms"] if f["per_step"]["kernel_ms"] else None}
+            split = amdahl(entry["categories_ms_per_step"], b["per_step"]["kernel_ms"], f["per_step"]["kernel_ms"])
+            if split is not None:
+                entry["amdahl"] = split
         out[program] = entry
     return out
 
@@ -613,6 +647,14 @@ def table(points: list[dict], comparison: dict) -> str:
         if "fp8_block_over_bf16" in entry:
             lines.append(f"fp8_block over bf16: wall {_f(entry['fp8_block_over_bf16']['wall'], 2)}x, "
                          f"kernels {_f(entry['fp8_block_over_bf16']['kernels'], 2)}x")
+        if "amdahl" in entry:
+            a = entry["amdahl"]
+            lines.append(f"the products fp8_block runs in FP8: bf16 {_f(a['bf16_ms_of_the_products'])} ms "
+                         f"({_f(100 * (a['bf16_share_of_the_products'] or 0), 1)} % of its kernels), fp8_block "
+                         f"{_f(a['fp8_ms_of_the_products_with_quantizers'])} ms with {_f(a['quantizers_ms'])} ms of quantizers "
+                         f"({_f(a['products_speedup'], 2)}x); the rest {_f(a['bf16_ms_of_the_rest'])} / "
+                         f"{_f(a['fp8_ms_of_the_rest'])} ms ({_f(a['rest_speedup'], 2)}x); ceiling if FP8's products took "
+                         f"no time: {_f(a['ceiling_if_fp8_products_took_no_time'], 2)}x")
         lines.append("")
     return "\n".join(lines)
 
