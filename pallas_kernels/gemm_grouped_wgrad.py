@@ -15,8 +15,11 @@ order: the block math of the XLA path. docs/decisions/0002-gemm-tiling.md has th
 item-major operands (other experts' rows zeroed), then each output tile runs the dense kernel's tile routine with
 a dynamic-length pipeline. Same bits as the persistent kernel.
 
-`grouped_wgrad_bf16(dy, x, ...)` is the gather scheme for BF16 operands (the BF16 recipes' and the
-high-precision backward's wgrad), with the BF16 grouped kernel's tile routine and no scales.
+`grouped_wgrad_bf16(dy, x, ...)` (the BF16 recipes' and the high-precision backward's wgrad) is the same persistent
+kernel on BF16 operands: dy^T / x^T made by XLA transposes (wgmma reads 16-bit operands K-major here, as the FP8
+quantizer's fused transpose lays its own out), each 128-row block in two 64-row ring steps chained into one
+accumulator, the same edge copies. `grouped_wgrad_bf16_gather` is its gather-scheme oracle (item-major copies of both
+operands, the BF16 grouped kernel's tile routine): same bits.
 """
 
 from __future__ import annotations
@@ -199,16 +202,56 @@ def expert_table(group_sizes, m: int, num_groups: int):
 
 
 def edge_blocks(a, items, edge_items):
-    """a [C, Mp] (Mp whole 128-blocks) -> [C, 2E*128]: columns 256e ... +128 hold expert e's first block of a,
-    columns 256e + 128 ... +128 its last block, each with the rows (columns here) of other experts zeroed.
-    The only copy of operand data the kernel needs: C x 2E x 128 bytes (vs. all of both operands to gather)."""
+    """a [C, Mp] (Mp whole 128-blocks; e4m3 or bf16) -> [C, 2E*128]: columns 256e ... +128 hold expert e's first
+    block of a, columns 256e + 128 ... +128 its last block, each with the rows (columns here) of other experts zeroed
+    (on the bits: an all-zero word is +0.0 in both formats).
+    The only copy of operand data the kernel needs: C x 2E x 128 values (vs. all of both operands to gather)."""
     c, mp = a.shape
-    u = lax.bitcast_convert_type(a, jnp.uint8).reshape(c, mp // BLOCK_K, BLOCK_K)
+    word = {1: jnp.uint8, 2: jnp.uint16}[jnp.dtype(a.dtype).itemsize]
+    u = lax.bitcast_convert_type(a, word).reshape(c, mp // BLOCK_K, BLOCK_K)
     lane = jnp.arange(BLOCK_K, dtype=jnp.int32)
     lo = items[OFFSET][edge_items][:, None]
     keep = (lane >= lo) & (lane < lo + items[SIZE][edge_items][:, None]) & (items[GROUP][edge_items] >= 0)[:, None]
-    u = jnp.where(keep[None], jnp.take(u, items[BLOCK][edge_items], axis=1), jnp.zeros((), jnp.uint8))
+    u = jnp.where(keep[None], jnp.take(u, items[BLOCK][edge_items], axis=1), jnp.zeros((), word))
     return lax.bitcast_convert_type(u.reshape(c, -1), a.dtype)
+
+
+def _tile_coords(t, *, per_expert: int, n_tiles: int, k_tiles: int, k_fastest: bool):
+    """(expert, N tile, K tile) of output tile t: tiles expert-major, within an expert along K or N first."""
+    g, local = lax.div(t, per_expert), lax.rem(t, per_expert)
+    if k_fastest:
+        return g, lax.div(local, k_tiles), lax.rem(local, k_tiles)
+    return g, lax.rem(local, n_tiles), lax.div(local, n_tiles)
+
+
+def _load_block(edge_gmem, masked, plain, *, g, j, count, first, first_edge, last_edge, bar, sub=0, width=BLOCK_K):
+    """TMA copies of columns [sub * width, + width) of expert g's j-th 128-row block (of `count`, from block `first`)
+    into this step's buffers: the masked operand from the edge copy where the block is shared with another expert
+    (first_edge / last_edge), in place otherwise; the plain operand in place. masked / plain: (gmem, smem buffer,
+    rows of the output tile). Returns the block's index along M (its scales' row)."""
+    (masked_gmem, masked_smem, masked_rows), (plain_gmem, plain_smem, plain_rows) = masked, plain
+    blk = first + j
+    cols = pl.ds(blk * BLOCK_K + sub * width, width)
+    at_first, at_last = j == 0, j == count - 1
+    is_edge = (at_first & first_edge) | (at_last & last_edge)
+    edge_cols = pl.ds((2 * g + jnp.where(at_first, 0, 1)) * BLOCK_K + sub * width, width)
+
+    @pl.when(is_edge)
+    def _():
+        plgpu.copy_gmem_to_smem(edge_gmem.at[masked_rows, edge_cols], masked_smem, bar)
+
+    @pl.when(jnp.logical_not(is_edge))
+    def _():
+        plgpu.copy_gmem_to_smem(masked_gmem.at[masked_rows, cols], masked_smem, bar)
+
+    plgpu.copy_gmem_to_smem(plain_gmem.at[plain_rows, cols], plain_smem, bar)
+    return blk
+
+
+def _expert_run(table_gmem, g):
+    """Expert g's (first block, block count, first block shared, last block shared) from `expert_table`."""
+    return (table_gmem[FIRST_BLOCK, g], table_gmem[COUNT, g], table_gmem[FIRST_EDGE, g] != 0,
+            table_gmem[LAST_EDGE, g] != 0)
 
 
 def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, o_gmem, *, cfg: WgradConfig,
@@ -224,40 +267,21 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
     fp8_transforms = _swizzle_transforms(BLOCK_K, jnp.float8_e4m3fn)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-    def coords(t):
-        g, local = lax.div(t, per_expert), lax.rem(t, per_expert)
-        if cfg.k_fastest:
-            return g, lax.div(local, k_tiles), lax.rem(local, k_tiles)
-        return g, lax.rem(local, n_tiles), lax.div(local, n_tiles)
+    coords = functools.partial(_tile_coords, per_expert=per_expert, n_tiles=n_tiles, k_tiles=k_tiles,
+                               k_fastest=cfg.k_fastest)
 
     def scoped(a_smem, b_smem, sa_smem, sb_smem, out_smem, full, empty):
         def tile(index):
             g, ni, ki = coords(index)
-            first, count = table_gmem[FIRST_BLOCK, g], table_gmem[COUNT, g]
-            first_edge, last_edge = table_gmem[FIRST_EDGE, g] != 0, table_gmem[LAST_EDGE, g] != 0
+            first, count, first_edge, last_edge = _expert_run(table_gmem, g)
             ns, ks = pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)
-            masked_gmem, masked_smem, masked_rows = (a_gmem, a_smem, ns) if mask_a else (b_gmem, b_smem, ks)
-            plain_gmem, plain_smem, plain_rows = (b_gmem, b_smem, ks) if mask_a else (a_gmem, a_smem, ns)
 
             def load(j, slot):
-                blk = first + j
-                cols = pl.ds(blk * BLOCK_K, BLOCK_K)
-                at_first, at_last = j == 0, j == count - 1
-                is_edge = (at_first & first_edge) | (at_last & last_edge)
-                edge_cols = pl.ds((2 * g + jnp.where(at_first, 0, 1)) * BLOCK_K, BLOCK_K)
-                bar = full.at[slot]
-
-                @pl.when(is_edge)
-                def _():
-                    plgpu.copy_gmem_to_smem(edge_gmem.at[masked_rows, edge_cols], masked_smem.at[slot], bar)
-
-                @pl.when(jnp.logical_not(is_edge))
-                def _():
-                    plgpu.copy_gmem_to_smem(masked_gmem.at[masked_rows, cols], masked_smem.at[slot], bar)
-
-                plgpu.copy_gmem_to_smem(plain_gmem.at[plain_rows, cols], plain_smem.at[slot], bar)
-                plgpu.copy_gmem_to_smem(sa_gmem.at[blk, ns], sa_smem.at[slot], bar)
-                plgpu.copy_gmem_to_smem(sb_gmem.at[blk, ks], sb_smem.at[slot], bar)
+                a, b = (a_gmem, a_smem.at[slot], ns), (b_gmem, b_smem.at[slot], ks)
+                blk = _load_block(edge_gmem, *((a, b) if mask_a else (b, a)), g=g, j=j, count=count, first=first,
+                                  first_edge=first_edge, last_edge=last_edge, bar=full.at[slot])
+                plgpu.copy_gmem_to_smem(sa_gmem.at[blk, ns], sa_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(sb_gmem.at[blk, ks], sb_smem.at[slot], full.at[slot])
 
             return count, load
 
@@ -392,7 +416,119 @@ def grouped_wgrad_fp8_gather(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_
                              interpret=interpret)
 
 
-def _bf16_kernel(ranges_gmem, a_gmem, b_gmem, o_gmem, *, cfg, num_items: int):
+BF16_STEP = gemm_grouped_bf16.TILE_K  # tokens per ring step of the BF16 kernel: 64 bf16 = 128 B rows, the widest swizzle
+
+
+def _persistent_bf16_kernel(table_gmem, a_gmem, b_gmem, edge_gmem, o_gmem, *, cfg: WgradConfig, mask_a: bool):
+    """The persistent kernel's BF16 form: the same tiles, expert block runs and edge copies, each 128-row block in
+    two ring steps of 64 rows (the widest swizzle of 16-bit rows); warpgroups 0 / 1 chain every step's wgmma into the
+    tile's accumulator in M order (no scales: no promotion), as the gather scheme's tile pipeline does."""
+    e, n, k = o_gmem.shape
+    n_tiles, k_tiles = n // TILE, k // TILE
+    per_expert = n_tiles * k_tiles
+    stages, tm = cfg.stages, TILE // 2
+    steps_per_block = BLOCK_K // BF16_STEP
+    coords = functools.partial(_tile_coords, per_expert=per_expert, n_tiles=n_tiles, k_tiles=k_tiles,
+                               k_fastest=cfg.k_fastest)
+    transforms = _swizzle_transforms(BF16_STEP, jnp.bfloat16)
+
+    def scoped(a_smem, b_smem, out_smem, full, empty):
+        def tile(index):
+            g, ni, ki = coords(index)
+            first, count, first_edge, last_edge = _expert_run(table_gmem, g)
+            ns, ks = pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)
+
+            def load(step, slot):
+                a, b = (a_gmem, a_smem.at[slot], ns), (b_gmem, b_smem.at[slot], ks)
+                _load_block(edge_gmem, *((a, b) if mask_a else (b, a)), g=g, j=lax.div(step, steps_per_block),
+                            count=count, first=first, first_edge=first_edge, last_edge=last_edge, bar=full.at[slot],
+                            sub=lax.rem(step, steps_per_block), width=BF16_STEP)
+
+            return count * steps_per_block, load
+
+        def compute(wg):
+            rows = pl.ds(wg * tm, tm)
+            num_tiles = e * per_expert
+            count_of = lambda t: table_gmem[COUNT, lax.div(jnp.minimum(t, num_tiles - 1), per_expert)]  # noqa: E731
+
+            @plgpu.nd_loop((num_tiles,), collective_axes="sm",
+                           init_carry=(jnp.int32(0), count_of(lax.axis_index("sm"))))
+            def _tiles(info, carry):
+                it, count = carry
+                count_next = count_of(info.index[0] + lax.axis_size("sm"))  # loaded a tile ahead
+                g, ni, ki = coords(info.index[0])
+
+                def scope(acc_ref):
+                    def step(_, it):
+                        slot = tma_ring.slot(it, stages)
+                        plgpu.barrier_wait(full.at[slot])
+                        plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(empty.at[slot])
+                        return it + 1
+
+                    it_end = lax.fori_loop(0, count * steps_per_block, step, it)
+                    return acc_ref[...], it_end
+
+                # an expert without rows (count 0) stores the accumulator's zeros
+                acc, it = pl.run_scoped(scope, plgpu.ACC((tm, TILE), F32))
+                tile_store(o_gmem.at[g, pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)], out_smem, tm)(acc, wg)
+                return it, count_next
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        tma_ring.warp_specialized(
+            lambda: tma_ring.produce(e * per_expert, tile, stages=stages, empty=empty), compute)
+
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((stages, TILE, BF16_STEP), jnp.bfloat16, transforms=transforms),
+        plgpu.SMEM((stages, TILE, BF16_STEP), jnp.bfloat16, transforms=transforms),
+        plgpu.SMEM((2, tm, TILE), F32, transforms=_swizzle_transforms(TILE, F32)),
+        *tma_ring.barriers(stages, loads_per_step=2),
+        collective_axes="wg",
+    )
+
+
+def _check_bf16(dy, x, group_sizes, num_groups: int, where: str):
+    """The BF16 wgrad operands' contract; returns (M, N, K)."""
+    m, n = dy.shape
+    if x.ndim != 2 or x.shape[0] != m:
+        raise ValueError(f"{where}: dy {dy.shape} and x {x.shape} must be [M, N] and [M, K]")
+    k = x.shape[1]
+    if n % 128 or k % 128:
+        raise ValueError(f"{where}: N and K must be multiples of 128; got N={n}, K={k}")
+    if group_sizes.shape != (num_groups,):
+        raise ValueError(f"{where}: group_sizes must be [{num_groups}]; got {group_sizes.shape}")
+    return m, n, k
+
+
+@traced_once("num_groups", "interpret", "config")
+def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool = False,
+                       config: WgradConfig | None = None):
+    """float32 [E, N, K] = per expert dy[rows]^T . x[rows] with BF16 operands; dy [M, N], x [M, K] sorted by
+    expert, rows past sum(group_sizes) ignored. N and K multiples of 128 (`ops.grouping.grouped_wgrad`'s contract).
+
+    The persistent kernel on dy^T / x^T (two XLA transposes: wgmma reads 16-bit operands K-major here, as the FP8
+    kernel's fused transpose-quantizer lays its own out), their 128-row blocks read in place and only the shared end
+    blocks of each expert copied pre-masked. Bits equal `grouped_wgrad_bf16_gather` (same steps, same order)."""
+    where = "gemm_grouped_wgrad.grouped_wgrad_bf16"
+    m, n, k = _check_bf16(dy, x, group_sizes, num_groups, where)
+    cfg = config or DEFAULT_WGRAD_CONFIG
+    cfg.check(where)
+    if cfg.blocks_per_step != 1:
+        raise ValueError(f"{where}: blocks_per_step must be 1 (BF16 steps chain one accumulator); got {cfg.blocks_per_step}")
+    mp = -(-m // BLOCK_K) * BLOCK_K
+    dyt, xt = (jnp.pad(a.astype(jnp.bfloat16).T, [(0, 0), (0, mp - m)]) for a in (dy, x))
+    table, items, edge_items = expert_table(group_sizes, m, num_groups)
+    mask_a = cfg.mask == "a" or (cfg.mask == "auto" and n <= k)
+    edge = edge_blocks(dyt if mask_a else xt, items, edge_items)
+    kernel = functools.partial(_persistent_bf16_kernel, cfg=cfg, mask_a=mask_a)
+    out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
+    return launch_persistent(kernel, out, table, dyt, xt, edge, name="gemm_wgrad_bf16", interpret=interpret)
+
+
+def _bf16_gather_kernel(ranges_gmem, a_gmem, b_gmem, o_gmem, *, cfg, num_items: int):
     per_item = BLOCK_K // gemm_grouped_bf16.TILE_K
     allocations, _ = gemm_grouped_bf16.tile_pipeline(cfg, num_items * per_item, "nk", a_gmem.dtype)
 
@@ -412,23 +548,18 @@ def _bf16_kernel(ranges_gmem, a_gmem, b_gmem, o_gmem, *, cfg, num_items: int):
 
 
 @traced_once("num_groups", "interpret", "config")
-def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool = False,
-                       config: gemm_grouped_bf16.Bf16GroupedConfig | None = None):
-    """float32 [E, N, K] = per expert dy[rows]^T . x[rows] with BF16 operands; dy [M, N], x [M, K] sorted by
-    expert, rows past sum(group_sizes) ignored. N and K multiples of 128 (`ops.grouping.grouped_wgrad`'s contract)."""
-    where = "gemm_grouped_wgrad.grouped_wgrad_bf16"
-    m, n = dy.shape
-    if x.ndim != 2 or x.shape[0] != m:
-        raise ValueError(f"{where}: dy {dy.shape} and x {x.shape} must be [M, N] and [M, K]")
-    k = x.shape[1]
-    if n % 128 or k % 128:
-        raise ValueError(f"{where}: N and K must be multiples of 128; got N={n}, K={k}")
-    if group_sizes.shape != (num_groups,):
-        raise ValueError(f"{where}: group_sizes must be [{num_groups}]; got {group_sizes.shape}")
+def grouped_wgrad_bf16_gather(dy, x, group_sizes, num_groups: int, *, interpret: bool = False,
+                              config: gemm_grouped_bf16.Bf16GroupedConfig | None = None):
+    """The gather scheme for BF16 operands (kept as the tests' bitwise oracle and the benchmark's comparison): XLA
+    re-cuts both transposed operands into item-major copies (dy's rows of other experts zeroed), then each output tile
+    runs the BF16 grouped kernel's tile routine over its expert's items. Same contract and bits as
+    `grouped_wgrad_bf16`."""
+    m, n, k = _check_bf16(dy, x, group_sizes, num_groups, "gemm_grouped_wgrad.grouped_wgrad_bf16_gather")
     cfg = config or gemm_grouped_bf16.Bf16GroupedConfig()
     items = work_items(group_sizes, m, BLOCK_K)
     a = _item_major(dy.astype(jnp.bfloat16).T, items, mask=True)
     b = _item_major(x.astype(jnp.bfloat16).T, items, mask=False)
-    kernel = functools.partial(_bf16_kernel, cfg=cfg, num_items=items.shape[1])
+    kernel = functools.partial(_bf16_gather_kernel, cfg=cfg, num_items=items.shape[1])
     out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
-    return launch_persistent(kernel, out, _ranges(items, num_groups), a, b, name="gemm_wgrad_bf16", interpret=interpret)
+    return launch_persistent(kernel, out, _ranges(items, num_groups), a, b, name="gemm_wgrad_bf16_gather",
+                             interpret=interpret)

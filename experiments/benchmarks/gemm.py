@@ -224,10 +224,21 @@ def wgrad_suite(name, m, n, k, e, sizes, configs=None, bf16=True):
     try_run(f"transposed_ragged_dot_mgpu {name}", mgpu)
 
     if bf16:
-        def ours_bf16():
-            f = jax.jit(functools.partial(GW.grouped_wgrad_bf16, num_groups=e))
-            record(f"ours_grouped_wgrad_bf16 {name}", (m, n, k, e), flops, bench(f, dy16, x16, sizes))
-        try_run(f"ours_grouped_wgrad_bf16 {name}", ours_bf16)
+        bf16_out = {}
+
+        def ours_bf16(fn, label):
+            f = jax.jit(functools.partial(fn, num_groups=e))
+            bf16_out[label] = f(dy16, x16, sizes)
+            same = None
+            if len(bf16_out) == 2:  # the persistent kernel must give the gather scheme's bits
+                a, b = bf16_out.values()
+                same = bool(jnp.array_equal(jax.lax.bitcast_convert_type(a, jnp.uint32),
+                                            jax.lax.bitcast_convert_type(b, jnp.uint32)))
+            record(f"{label} {name}", (m, n, k, e), flops, bench(f, dy16, x16, sizes), bitwise_equal_to_gather=same)
+
+        for fn, label in ((GW.grouped_wgrad_bf16_gather, "ours_grouped_wgrad_bf16_gather"),
+                          (GW.grouped_wgrad_bf16, "ours_grouped_wgrad_bf16")):
+            try_run(f"{label} {name}", functools.partial(ours_bf16, fn, label))
 
     dq, ds = quantize_fp8_per_token_group(dy16.T, 128)
     xq, xs = quantize_fp8_per_token_group(x16.T, 128)

@@ -1,8 +1,8 @@
-"""Grouped FP8 wgrad kernels: experts sharing 128-row quantization blocks, empty experts, tail rows; interpret and H200.
+"""Grouped wgrad kernels (FP8 and BF16): experts sharing 128-row blocks, empty experts, tail rows; interpret and H200.
 
-`grouped_wgrad_fp8` is the persistent k-grouped kernel, `grouped_wgrad_fp8_gather` (rows gathered to 128-aligned
-offsets) its oracle: the persistent kernel must give the gather kernel's bits (same blocks, block order and block
-math), in interpret mode and on the GPU.
+`grouped_wgrad_fp8` / `grouped_wgrad_bf16` are the persistent k-grouped kernels, `grouped_wgrad_fp8_gather` /
+`grouped_wgrad_bf16_gather` (rows gathered to 128-aligned offsets) their oracles: a persistent kernel must give its
+gather kernel's bits (same blocks, block order and block math), in interpret mode and on the GPU.
 """
 
 import functools
@@ -185,6 +185,44 @@ def test_interpret_bf16_matches_xla_path_and_float64(m, sizes):
             assert np.all(got[g] == 0)
 
 
+def _bf16_operands(seed, m, n, k):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16), jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("m,sizes", RAGGED)
+def test_bf16_persistent_matches_gather_kernel_bitwise(m, sizes):
+    """The BF16 persistent kernel (blocks in place, shared end blocks from the edge copy) gives the gather scheme's
+    bits: the same 64-row steps chained into one accumulator in the same order."""
+    n, k, e = 128, 256, len(sizes)
+    dy, x = _bf16_operands(m, m, n, k)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = W.grouped_wgrad_bf16(dy, x, gs, e, interpret=True)
+    np.testing.assert_array_equal(_bits(got), _bits(W.grouped_wgrad_bf16_gather(dy, x, gs, e, interpret=True)))
+    assert R.rel_err(got, R.grouped_wgrad(np.asarray(dy, np.float64), np.asarray(x, np.float64), gs, e)) < 1e-6
+
+
+@pytest.mark.parametrize("cfg", [W.WgradConfig(stages=2, mask="b"), W.WgradConfig(stages=3, k_fastest=False, mask="a")],
+                         ids=str)
+def test_bf16_persistent_configs_same_bits(cfg):
+    """Ring depth, tile order and the masked operand change the BF16 kernel's schedule, never its bits."""
+    m, sizes = RAGGED[-1]
+    n, k, e = 256, 128, len(sizes)
+    dy, x = _bf16_operands(5, m, n, k)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = W.grouped_wgrad_bf16(dy, x, gs, e, interpret=True, config=cfg)
+    np.testing.assert_array_equal(_bits(got), _bits(W.grouped_wgrad_bf16_gather(dy, x, gs, e, interpret=True)))
+
+
+def test_bf16_persistent_lowers_for_cuda():
+    e, m, n, k = 8, 4096, 256, 384
+    S = jax.ShapeDtypeStruct
+    avals = (S((m, n), jnp.bfloat16), S((m, k), jnp.bfloat16), S((e,), jnp.int32))
+    txt = jax.jit(functools.partial(W.grouped_wgrad_bf16, num_groups=e)).trace(*avals).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert txt.count("custom_call @mosaic_gpu") == 1
+
+
 def test_clear_errors():
     dq, ds, xq, xs = _operands(0, 64, 128, 128)
     gs = jnp.asarray([64], jnp.int32)
@@ -198,6 +236,11 @@ def test_clear_errors():
         W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 1, interpret=True, config=W.WgradConfig(blocks_per_step=3))
     with pytest.raises(ValueError, match="stages"):
         W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 1, interpret=True, config=W.WgradConfig(stages=5))
+    dy, x = _bf16_operands(0, 64, 128, 128)
+    with pytest.raises(ValueError, match="blocks_per_step must be 1"):
+        W.grouped_wgrad_bf16(dy, x, gs, 1, interpret=True, config=W.WgradConfig(blocks_per_step=2))
+    with pytest.raises(ValueError, match="multiples of 128"):
+        W.grouped_wgrad_bf16(dy[:, :100], x, gs, 1, interpret=True)
 
 
 @pytest.mark.gpu
@@ -212,6 +255,7 @@ def test_gpu_bf16_moe_shapes(n, k):
     got = np.asarray(W.grouped_wgrad_bf16(dy, x, gs, e))
     assert R.rel_err(got, R.grouped_wgrad(dy, x, gs, e)) < 1e-5
     assert np.all(got[3] == 0)
+    np.testing.assert_array_equal(_bits(got), _bits(W.grouped_wgrad_bf16_gather(dy, x, gs, e)))
 
 
 @pytest.mark.gpu
