@@ -2,8 +2,9 @@
 # The H200 measurements, one stage per call (each fits a 10-minute device command), outputs under $OUT.
 #   bash experiments/h200_runs.sh tests      # every -m gpu test (kernels, ops, converters), one log
 #   bash experiments/h200_runs.sh gemm       # experiments/benchmarks/gemm.py: dense, MoE (fwd + wgrad), linear fwd+bwd, torch anchors
-#   bash experiments/h200_runs.sh wgrad      # (< 8 min): the FP8 MoE wgrad kernels' GPU tests, their timing (persistent
-#                                            # kernel configs, gather kernel, transposed_ragged_dot_mgpu) and the torch anchors
+#   bash experiments/h200_runs.sh wgrad      # (< 8 min): the FP8 and BF16 MoE wgrad kernels' GPU tests, their timing
+#                                            # (persistent kernel configs, gather kernels, transposed_ragged_dot_mgpu) and
+#                                            # the torch anchors
 #   bash experiments/h200_runs.sh breakdown  # FP8 linear fwd+bwd component times (incl. the GEMM tile variants)
 #   bash experiments/h200_runs.sh quantize   # FP8 / MXFP8 quantize GPU bit tests + their benchmark (copy anchor)
 #   bash experiments/h200_runs.sh nvfp4      # NVFP4: GPU bit tests (v14, v12), the version / tiling sweep, SASS, ncu
