@@ -203,35 +203,10 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
                 plgpu.barrier_arrive(empty.at[slot])
                 return acc + partial * lax.broadcast_in_dim(s, (tm, tn), [0])
 
-            def one_block(_, carry):
-                acc, it = carry
-                slot = tma_ring.slot(it, stages)
-                plgpu.barrier_wait(full.at[slot])
-
-                def scope(acc_ref):
-                    mma(acc_ref, slot)
-                    return promote(acc, acc_ref, slot, 0)
-
-                return pl.run_scoped(scope, plgpu.ACC((tm, tn), F32)), it + 1
-
-            def two_blocks(_, carry):
-                """k_blocks_per_step 2: the second block's wgmma is issued before the first is promoted, so that
-                promotion runs under the tensor core's work; the promotions keep K order (the same bits)."""
-                acc, it = carry
-                s0, s1 = tma_ring.slot(it, stages), tma_ring.slot(it + 1, stages)
-                plgpu.barrier_wait(full.at[s0])
-                plgpu.barrier_wait(full.at[s1])
-
-                def scope(acc0, acc1):
-                    mma(acc0, s0)
-                    mma(acc1, s1)
-                    return promote(promote(acc, acc0, s0, 1), acc1, s1, 0)
-
-                return pl.run_scoped(scope, plgpu.ACC((tm, tn), F32), plgpu.ACC((tm, tn), F32)), it + 2
-
-            if cfg.k_blocks_per_step == 2:  # K is a multiple of 256 (GemmConfig.check)
-                return lax.fori_loop(0, lax.div(n, 2), two_blocks, (zero_acc(tm, tn), it))
-            return lax.fori_loop(0, n, one_block, (zero_acc(tm, tn), it))
+            # k_blocks_per_step 2: K is a multiple of 256 (GemmConfig.check), so no block runs alone
+            return tma_ring.promoted_blocks(n, zero_acc(tm, tn), it, full=full, stages=stages,
+                                            blocks_per_step=cfg.k_blocks_per_step, acc_shape=(tm, tn), mma=mma,
+                                            promote=promote)
 
         grouped_ring(items_gmem, o_gmem, out_smem, empty, cfg=cfg, cta_m=cta_m, cta_n=cta_n, split=cfg.split,
                      stages=stages, steps=a_gmem.shape[1] // BLOCK_K, issue=issue, run_tile=run_tile)

@@ -125,17 +125,12 @@ def _kernel(items_gmem, a_gmem, b_gmem, o_gmem, *, cfg: Bf16GroupedConfig, layou
         def run_tile(wg, n, it):
             rows = pl.ds(wg * tm, tm)
 
-            def scope(acc_ref):
-                def step(_, it):
-                    slot = tma_ring.slot(it, stages)
-                    plgpu.barrier_wait(full.at[slot])
-                    b = b_smem.at[slot]
-                    plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b.transpose((1, 0)) if layout == "nk" else b)
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(empty.at[slot])
-                    return it + 1
+            def mma(acc_ref, slot):
+                b = b_smem.at[slot]
+                plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b.transpose((1, 0)) if layout == "nk" else b)
 
-                it_end = lax.fori_loop(0, n, step, it)
+            def scope(acc_ref):
+                it_end = tma_ring.chained_steps(acc_ref, n, it, full=full, empty=empty, stages=stages, mma=mma)
                 return acc_ref[...], it_end
 
             return pl.run_scoped(scope, plgpu.ACC((tm, tn), F32))

@@ -254,6 +254,26 @@ def _expert_run(table_gmem, g):
             table_gmem[LAST_EDGE, g] != 0)
 
 
+def _consume_tiles(table_gmem, o_gmem, out_smem, coords, per_expert: int, run_tile, wg):
+    """Warpgroup wg's walk over the output tiles, in the memory warpgroup's order: acc, it = run_tile(block count,
+    ring position) per tile, stored (an expert without rows stores the zeros run_tile returns). Each tile's block
+    count is loaded a whole tile ahead, its latency off the tensor core's path."""
+    num_tiles = o_gmem.shape[0] * per_expert
+    tm = TILE // 2
+    count_of = lambda t: table_gmem[COUNT, lax.div(jnp.minimum(t, num_tiles - 1), per_expert)]  # noqa: E731
+
+    @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=(jnp.int32(0), count_of(lax.axis_index("sm"))))
+    def _tiles(info, carry):
+        it, count = carry
+        count_next = count_of(info.index[0] + lax.axis_size("sm"))
+        g, ni, ki = coords(info.index[0])
+        acc, it = run_tile(count, it)
+        tile_store(o_gmem.at[g, pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)], out_smem, tm)(acc, wg)
+        return it, count_next
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, o_gmem, *, cfg: WgradConfig,
                        mask_a: bool):
     """A `tma_ring` kernel: warpgroup 2 streams each tile's 128-row blocks (the expert's masked operand from the edge
@@ -262,7 +282,7 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
     e, n, k = o_gmem.shape
     n_tiles, k_tiles = n // TILE, k // TILE
     per_expert = n_tiles * k_tiles
-    stages, kps = cfg.stages, cfg.blocks_per_step
+    stages = cfg.stages
     tm = TILE // 2
     fp8_transforms = _swizzle_transforms(BLOCK_K, jnp.float8_e4m3fn)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
@@ -291,67 +311,22 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
             def mma(acc_ref, slot):
                 plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b_smem.at[slot].transpose((1, 0)))
 
-            def scale(slot):
-                """sa[n] * sb[k] of the block in `slot`, [tm, TILE] (the block math's per-element scale)."""
+            def promote(acc, acc_ref, slot, wait_n):
+                """acc + p * (sa[n] * sb[k]) of the block in `slot` (the block math), whose wgmma was issued; frees
+                the slot."""
+                partial = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
                 sa = plgpu.load(sa_smem.at[slot, rows], layout=row_layout)
                 sb = plgpu.load(sb_smem.at[slot], layout=col_layout)
-                return lax.broadcast_in_dim(sa, (tm, TILE), [0]) * lax.broadcast_in_dim(sb, (tm, TILE), [1])
+                s = lax.broadcast_in_dim(sa, (tm, TILE), [0]) * lax.broadcast_in_dim(sb, (tm, TILE), [1])
+                plgpu.barrier_arrive(empty.at[slot])
+                return acc + partial * s
 
-            def one_block(_, carry):
-                acc, it = carry
-                slot = tma_ring.slot(it, stages)
-                plgpu.barrier_wait(full.at[slot])
+            def run_tile(count, it):
+                return tma_ring.promoted_blocks(count, zero_acc(tm, TILE), it, full=full, stages=stages,
+                                                blocks_per_step=cfg.blocks_per_step, acc_shape=(tm, TILE), mma=mma,
+                                                promote=promote)
 
-                def scope(acc_ref):
-                    mma(acc_ref, slot)
-                    partial = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
-                    s = scale(slot)
-                    plgpu.barrier_arrive(empty.at[slot])
-                    return acc + partial * s
-
-                return pl.run_scoped(scope, plgpu.ACC((tm, TILE), F32)), it + 1
-
-            def two_blocks(_, carry):
-                acc, it = carry
-                s0, s1 = tma_ring.slot(it, stages), tma_ring.slot(it + 1, stages)
-                plgpu.barrier_wait(full.at[s0])
-                plgpu.barrier_wait(full.at[s1])
-
-                def scope(acc0, acc1):
-                    mma(acc0, s0)
-                    mma(acc1, s1)
-                    p0 = plgpu.wgmma_accumulator_load(acc0, wait_n=1)
-                    sc0 = scale(s0)
-                    plgpu.barrier_arrive(empty.at[s0])
-                    out = acc + p0 * sc0
-                    p1 = plgpu.wgmma_accumulator_load(acc1, wait_n=0)
-                    sc1 = scale(s1)
-                    plgpu.barrier_arrive(empty.at[s1])
-                    return out + p1 * sc1
-
-                return pl.run_scoped(scope, plgpu.ACC((tm, TILE), F32), plgpu.ACC((tm, TILE), F32)), it + 2
-
-            num_tiles = e * per_expert
-            count_of = lambda t: table_gmem[COUNT, lax.div(jnp.minimum(t, num_tiles - 1), per_expert)]
-            first_tile = lax.axis_index("sm")
-
-            @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=(jnp.int32(0), count_of(first_tile)))
-            def _tiles(info, carry):
-                carry, count = carry
-                # the next tile's block count, loaded a whole tile ahead (its latency off the tensor core's path)
-                count_next = count_of(info.index[0] + lax.axis_size("sm"))
-                g, ni, ki = coords(info.index[0])
-                acc = zero_acc(tm, TILE)
-                if kps == 2:
-                    acc, carry = lax.fori_loop(0, lax.div(count, 2), two_blocks, (acc, carry))
-                    acc, carry = lax.fori_loop(0, lax.rem(count, 2), one_block, (acc, carry))
-                else:
-                    acc, carry = lax.fori_loop(0, count, one_block, (acc, carry))
-                # an expert without rows (count 0) stores its zero tile here
-                tile_store(o_gmem.at[g, pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)], out_smem, tm)(acc, wg)
-                return carry, count_next
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            _consume_tiles(table_gmem, o_gmem, out_smem, coords, per_expert, run_tile, wg)
 
         tma_ring.warp_specialized(
             lambda: tma_ring.produce(e * per_expert, tile, stages=stages, empty=empty), compute)
@@ -366,8 +341,6 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
         *tma_ring.barriers(stages, loads_per_step=4),
         collective_axes="wg",
     )
-
-
 
 
 @traced_once("num_groups", "interpret", "config")
@@ -448,34 +421,19 @@ def _persistent_bf16_kernel(table_gmem, a_gmem, b_gmem, edge_gmem, o_gmem, *, cf
 
         def compute(wg):
             rows = pl.ds(wg * tm, tm)
-            num_tiles = e * per_expert
-            count_of = lambda t: table_gmem[COUNT, lax.div(jnp.minimum(t, num_tiles - 1), per_expert)]  # noqa: E731
 
-            @plgpu.nd_loop((num_tiles,), collective_axes="sm",
-                           init_carry=(jnp.int32(0), count_of(lax.axis_index("sm"))))
-            def _tiles(info, carry):
-                it, count = carry
-                count_next = count_of(info.index[0] + lax.axis_size("sm"))  # loaded a tile ahead
-                g, ni, ki = coords(info.index[0])
+            def mma(acc_ref, slot):
+                plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b_smem.at[slot].transpose((1, 0)))
 
-                def scope(acc_ref):
-                    def step(_, it):
-                        slot = tma_ring.slot(it, stages)
-                        plgpu.barrier_wait(full.at[slot])
-                        plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b_smem.at[slot].transpose((1, 0)))
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(empty.at[slot])
-                        return it + 1
-
-                    it_end = lax.fori_loop(0, count * steps_per_block, step, it)
+            def run_tile(count, it):
+                def scope(acc_ref):  # an expert without rows (count 0) gets the accumulator's zeros
+                    it_end = tma_ring.chained_steps(acc_ref, count * steps_per_block, it, full=full, empty=empty,
+                                                    stages=stages, mma=mma)
                     return acc_ref[...], it_end
 
-                # an expert without rows (count 0) stores the accumulator's zeros
-                acc, it = pl.run_scoped(scope, plgpu.ACC((tm, TILE), F32))
-                tile_store(o_gmem.at[g, pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)], out_smem, tm)(acc, wg)
-                return it, count_next
+                return pl.run_scoped(scope, plgpu.ACC((tm, TILE), F32))
 
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            _consume_tiles(table_gmem, o_gmem, out_smem, coords, per_expert, run_tile, wg)
 
         tma_ring.warp_specialized(
             lambda: tma_ring.produce(e * per_expert, tile, stages=stages, empty=empty), compute)

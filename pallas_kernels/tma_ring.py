@@ -5,6 +5,8 @@ TMA loads into a ring of `stages` buffers; warpgroups 0 and 1 (232 registers) wa
 buffers in the same order. Buffer i is guarded by `full[i % stages]` (the loads of a step complete on it) and
 `empty[i % stages]` (both compute warpgroups arrive once they have read it). The ring's position runs on from
 tile to tile, so the next tile's loads stream while a tile's epilogue stores: no pipeline fill or drain per tile.
+The compute side consumes a tile's steps with `chained_steps` (16-bit operands: every step's wgmma into one
+accumulator) or `promoted_blocks` (block-scaled FP8: a fresh wgmma per block, promoted into a float32 sum in order).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["barriers", "produce", "slot", "warp_specialized"]
+__all__ = ["barriers", "chained_steps", "produce", "promoted_blocks", "slot", "warp_specialized"]
 
 
 def barriers(stages: int, loads_per_step: int):
@@ -69,3 +71,55 @@ def produce(num_tiles: int, tile, *, stages: int, empty) -> None:
     @pl.loop(jnp.maximum(issued - stages, 0), issued)
     def _(it):
         plgpu.barrier_wait(empty.at[slot(it, stages)])
+
+
+def chained_steps(acc_ref, n, it, *, full, empty, stages: int, mma):
+    """n ring steps from ring position `it`, each mma(acc_ref, slot) chained into one wgmma accumulator (no scales):
+    wait for the buffer, multiply, wait for the wgmma, free the buffer. Returns the ring position after them."""
+
+    def step(_, it):
+        s = slot(it, stages)
+        plgpu.barrier_wait(full.at[s])
+        mma(acc_ref, s)
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(empty.at[s])
+        return it + 1
+
+    return lax.fori_loop(0, n, step, it)
+
+
+def promoted_blocks(n, acc, it, *, full, stages: int, blocks_per_step: int, acc_shape, mma, promote):
+    """n block-scaled K blocks from ring position `it` added to the float32 `acc` in order: per block mma(acc_ref,
+    slot) into a fresh accumulator, then promote(acc, acc_ref, slot, wait_n) (waits for that wgmma, adds its scaled
+    product, frees the slot). With blocks_per_step 2 the second block's wgmma is issued before the first's promotion,
+    so that promotion runs under the tensor core's work; promotions keep block order (the same bits) and an odd last
+    block runs alone. Returns (acc, ring position)."""
+
+    def one_block(_, carry):
+        acc, it = carry
+        s = slot(it, stages)
+        plgpu.barrier_wait(full.at[s])
+
+        def scope(acc_ref):
+            mma(acc_ref, s)
+            return promote(acc, acc_ref, s, 0)
+
+        return pl.run_scoped(scope, plgpu.ACC(acc_shape, jnp.float32)), it + 1
+
+    def two_blocks(_, carry):
+        acc, it = carry
+        s0, s1 = slot(it, stages), slot(it + 1, stages)
+        plgpu.barrier_wait(full.at[s0])
+        plgpu.barrier_wait(full.at[s1])
+
+        def scope(acc0, acc1):
+            mma(acc0, s0)
+            mma(acc1, s1)
+            return promote(promote(acc, acc0, s0, 1), acc1, s1, 0)
+
+        return pl.run_scoped(scope, plgpu.ACC(acc_shape, jnp.float32), plgpu.ACC(acc_shape, jnp.float32)), it + 2
+
+    if blocks_per_step == 2:
+        acc, it = lax.fori_loop(0, lax.div(n, 2), two_blocks, (acc, it))
+        return lax.fori_loop(0, lax.rem(n, 2), one_block, (acc, it))
+    return lax.fori_loop(0, n, one_block, (acc, it))
