@@ -124,7 +124,8 @@ def main(argv=None):
     p.add_argument("--skip", default="", help="comma list of parts to skip: train, decode")
     p.add_argument("--bwd-dq-keys", default="64",
                    help="comma list of the backward dq kernel's keys per step (FlashConfig.bwd_dq_keys) to time as "
-                        "separate 'flash' rows of the training points (default: %(default)s, the default config)")
+                        "separate 'flash' rows of the training points beside the default config's "
+                        "(FlashConfig().bwd_dq_keys, 128; default: %(default)s)")
     p.add_argument("--out", default="experiments/benchmarks/results/attention_h200.json", help="JSON path")
     a = p.parse_args(argv)
     dev = jax.devices()[0]

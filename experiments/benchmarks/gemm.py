@@ -281,10 +281,10 @@ def moe_shapes():
     return e, m, sizes, [("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
 
 
-def wgrad_only_suite():
+def wgrad_only_suite(quick=False):
     e, m, sizes, shapes = moe_shapes()
     for name, n, k in shapes:
-        wgrad_suite(name, m, n, k, e, sizes, WGRAD_CONFIGS, bf16=False)
+        wgrad_suite(name, m, n, k, e, sizes, WGRAD_CONFIGS[:1] if quick else WGRAD_CONFIGS)
 
 
 DENSE_ANCHOR_SHAPES = [(8192, 8192, 8192, "8192^3"), (16384, 5120, 2048, "attn_qkv M16384"), (16384, 2048, 4096, "attn_o M16384")]
@@ -407,7 +407,7 @@ def main(argv=None):
                   args.quick)
         save()
     if "wgrad" in suites and "moe" not in suites:
-        wgrad_only_suite()
+        wgrad_only_suite(args.quick)
         save()
     if "torch" in suites:
         torch_suite()

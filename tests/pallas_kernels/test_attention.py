@@ -96,7 +96,7 @@ def test_gradients_match_autodiff_of_reference(dq_keys):
     for name, mine, want in zip("qkv", got, rvjp(g.astype(jnp.float32))):
         err = np.abs(np.asarray(mine, np.float32) - np.asarray(want)).max()
         assert err < 2e-2 * np.abs(np.asarray(want)).max(), (name, err)
-    if dq_keys != 64:
+    if dq_keys != A.FlashConfig().bwd_dq_keys:  # dk, dv do not depend on the dq kernel's step
         default = grads(A.FlashConfig())
         for mine, base in zip(got[1:], default[1:]):
             np.testing.assert_array_equal(np.asarray(mine, np.float32), np.asarray(base, np.float32))
@@ -126,10 +126,9 @@ def test_decode_gives_the_training_forward_bits():
         np.testing.assert_array_equal(out[i, 0], full[i, pos[i]])
 
 
-def test_persistent_walk_gives_each_item_the_bits_it_gets_alone():
-    """Five decode rows of different lengths x 2 key/value heads = 10 items over the interpreter's 3 programs, so a
-    program walks 3-4 items in one pipeline (state reset, q reloaded, output stored per item): every row has the bits
-    it has decoded alone (2 items), and stays close to the float64 reference."""
+def test_each_decode_row_gets_the_bits_it_gets_alone():
+    """Five decode rows of different lengths (4, 1, 2, 2, 3 pages) x 2 key/value heads: every row has the bits it
+    has when decoded alone, whatever its neighbours' lengths, and stays close to the float64 reference."""
     b, t, h, hkv, d = 5, 400, 4, 2, 64
     q, k, v = _qkv(b, t, h, hkv, d, seed=7)
     kp, vp, table = _pages(k, v, 4, 24, seed=7)
@@ -142,20 +141,6 @@ def test_persistent_walk_gives_each_item_the_bits_it_gets_alone():
         np.testing.assert_array_equal(run(slice(i, i + 1))[0], together[i])
     ref = A.reference_paged_attention(qd, kp, vp, table, pos[:, None], scale=d**-0.5)
     np.testing.assert_allclose(together, ref, atol=2e-2, rtol=2e-2)
-
-
-def test_schedule_lists_each_programs_pages_in_item_order():
-    from pallas_kernels.attention_paged import schedule
-
-    rng = np.random.default_rng(0)
-    b, rt, hkv, programs, width = 3, 2, 2, 5, 6
-    n_blocks = rng.integers(1, width + 1, (b, rt)).astype(np.int32)
-    table = rng.permutation(40)[: b * width].reshape(b, width).astype(np.int32)
-    codes, steps = (np.asarray(x) for x in schedule(jnp.asarray(n_blocks), jnp.asarray(table), hkv, programs))
-    for c in range(programs):
-        want = [table[i // (hkv * rt), j] * hkv + (i // rt) % hkv
-                for i in range(c, b * hkv * rt, programs) for j in range(n_blocks[i // (hkv * rt), i % rt])]
-        assert steps[c] == len(want) and list(codes[c, : len(want)]) == want
 
 
 @pytest.mark.row_invariant_cpu

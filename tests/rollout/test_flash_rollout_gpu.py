@@ -24,7 +24,7 @@ CFG = tiny_config(vocab_size=151936, hidden_size=2048, num_hidden_layers=2, num_
                   head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                   norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960, attention_impl="flash")
 ROWS, PROMPT, RESPONSE = 64, 64, 4096
-SCORE_ROWS = 4  # rows per trainer forward (logits of 4 x 4160 x 151936 floats)
+SCORE_ROWS = 1  # rows per trainer forward (logits of 4160 x 151936 floats: 2.5 GB; 4 rows ran out of memory on an H100)
 
 
 def _trainer_logprobs(policy, samples):
