@@ -179,7 +179,8 @@ def moe_decode_suite(copy_tbps):
             wq, sb = quantize_fp8_per_block(w16, (128, 128))
             label = f"{name} decode {rows} rows"
             first = {}
-            for cfg in (gemm_grouped.DEFAULT_CONFIG, gemm_grouped.NARROW_CONFIG):
+            for cfg in (gemm_grouped.DEFAULT_CONFIG, gemm_grouped.NARROW_CONFIG,
+                        dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=2)):
                 def one(cfg=cfg):
                     # the weights' scales laid out once, as the engine's decode loop holds them (ops.PreparedWeight)
                     op = gemm_grouped.weight_scale_operand(sb, cfg)
