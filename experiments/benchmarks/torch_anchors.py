@@ -133,9 +133,12 @@ def moe(torch, e, rows, n, k):
         s = sizes if align == 1 else -(-sizes // align) * align
         return torch.tensor(np.cumsum(s), device=dev, dtype=torch.int32), int(s.sum())
 
-    def with_offsets(label_, make):
-        """make(offs, rows_total) -> call; tried with the routing's offsets, then rounded up to 16 rows."""
-        for align in (1, 16):
+    def with_offsets(label_, make, contraction=False):
+        """make(offs, rows_total) -> call; tried with the routing's offsets, then rounded up to 16 rows. Offsets
+        along the contraction (the k-grouped wgrad) must be 16-byte multiples, checked by a device-side assert that
+        kills the CUDA context (no retry after it), so ragged sizes go straight to the rounded offsets there."""
+        ragged = bool(np.any(sizes % 16))
+        for align in ((16,) if contraction and ragged else (1, 16)):
             offs, total = offsets(align)
             tag = "" if align == 1 else " aligned16"
             ok = attempt(f"{label_}{tag}", lambda: record(f"{label_}{tag}", (m, n, k, e), flops,
@@ -161,7 +164,7 @@ def moe(torch, e, rows, n, k):
         b = xt if tot == m else torch.cat([xt, xt.new_zeros(k, tot - m)], 1)
         return lambda: torch._grouped_mm(a, b.t(), offs=offs, out_dtype=torch.bfloat16)  # bf16 out (ours: float32)
 
-    with_offsets(f"torch_grouped_mm_bf16 wgrad {label}", wgrad_call)
+    with_offsets(f"torch_grouped_mm_bf16 wgrad {label}", wgrad_call, contraction=True)
 
     # FP8 forward, row-wise scales (one per row of x, one per output column of each expert), fast accumulation
     if not hasattr(torch, "_scaled_grouped_mm"):
@@ -195,7 +198,7 @@ def moe(torch, e, rows, n, k):
         sa, sb = sdy.repeat(e), sxt.repeat(e)  # one scale per (group, row): [E*N], [E*K]
         return lambda: torch._scaled_grouped_mm(a, b.t(), sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True)
 
-    with_offsets(f"torch_scaled_grouped_mm_fp8_rowwise wgrad {label}", fp8_wgrad)
+    with_offsets(f"torch_scaled_grouped_mm_fp8_rowwise wgrad {label}", fp8_wgrad, contraction=True)
 
 
 def main(argv=None):
