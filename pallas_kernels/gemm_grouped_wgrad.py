@@ -158,8 +158,6 @@ class WgradConfig:
 
     stages: ring of TMA buffers (33 KB each: two 128x128 e4m3 tiles + 2 x 128 scales); with the 64 KB float32
       epilogue tile, 4 is the most that fits in 227 KB.
-    blocks_per_step: 1 or 2 K blocks per compute step. With 2 each compute warpgroup issues both wgmmas before it
-      promotes the first (the second runs under that promotion); an expert's odd last block runs alone.
     mask: which operand's boundary blocks come from the pre-masked edge array: "a" (dy^T), "b" (x^T), or "auto"
       (the one with fewer rows, so the edge array is smallest). Either gives the same bits (a foreign row
       contributes an exact zero product either way).
@@ -167,13 +165,10 @@ class WgradConfig:
     """
 
     stages: int = 4
-    blocks_per_step: int = 1
     mask: str = "auto"
     k_fastest: bool = True
 
     def check(self, where: str) -> None:
-        if self.blocks_per_step not in (1, 2):
-            raise ValueError(f"{where}: blocks_per_step must be 1 or 2; got {self.blocks_per_step}")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"{where}: stages must be 2, 3 or 4 (shared memory); got {self.stages}")
         if self.mask not in ("a", "b", "auto"):
@@ -323,7 +318,7 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
 
             def run_tile(count, it):
                 return tma_ring.promoted_blocks(count, zero_acc(tm, TILE), it, full=full, stages=stages,
-                                                blocks_per_step=cfg.blocks_per_step, acc_shape=(tm, TILE), mma=mma,
+                                                blocks_per_step=1, acc_shape=(tm, TILE), mma=mma,
                                                 promote=promote)
 
             _consume_tiles(table_gmem, o_gmem, out_smem, coords, per_expert, run_tile, wg)
@@ -474,8 +469,6 @@ def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool =
     m, n, k = _check_bf16(dy, x, group_sizes, num_groups, where)
     cfg = config or DEFAULT_WGRAD_CONFIG
     cfg.check(where)
-    if cfg.blocks_per_step != 1:
-        raise ValueError(f"{where}: blocks_per_step must be 1 (BF16 steps chain one accumulator); got {cfg.blocks_per_step}")
     mp = -(-m // BLOCK_K) * BLOCK_K
     dyt, xt = (jnp.pad(a.astype(jnp.bfloat16).T, [(0, 0), (0, mp - m)]) for a in (dy, x))
     table, items, edge_items = expert_table(group_sizes, m, num_groups)

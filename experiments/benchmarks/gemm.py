@@ -373,8 +373,7 @@ def main(argv=None):
     suites = set(args.suites.split(","))
     global WGRAD_CONFIGS
     from pallas_kernels.gemm_grouped_wgrad import WgradConfig
-    WGRAD_CONFIGS = [WgradConfig(), WgradConfig(blocks_per_step=2), WgradConfig(stages=3, blocks_per_step=2),
-                     WgradConfig(k_fastest=False)]
+    WGRAD_CONFIGS = [WgradConfig(), WgradConfig(k_fastest=False), WgradConfig(stages=3)]
     baseline = load_module(args.baseline) if args.baseline else None
     C = gemm_dense.GemmConfig
     default = gemm_dense.default_config(8192, 8192)

@@ -89,15 +89,14 @@ def test_persistent_matches_gather_kernel_bitwise_and_float64(m, sizes, n, k):
 
 
 CONFIGS = [
-    W.WgradConfig(blocks_per_step=2),                       # pairs of blocks + an odd last block
-    W.WgradConfig(stages=2, blocks_per_step=2, mask="b"),   # the shallowest ring; mask the other operand
+    W.WgradConfig(stages=2, mask="b"),   # the shallowest ring; mask the other operand
     W.WgradConfig(stages=3, k_fastest=False, mask="a"),
 ]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 def test_persistent_configs_same_bits(cfg):
-    """Every tiling gives the same bits: the ring depth, blocks per step, tile order and the masked operand change
+    """Every tiling gives the same bits: the ring depth, tile order and the masked operand change
     only the schedule, never a block's product or the promotion order."""
     m, sizes = RAGGED[-1]
     n, k, e = 256, 128, len(sizes)
@@ -232,13 +231,11 @@ def test_clear_errors():
         W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 2, interpret=True)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         W.grouped_wgrad_fp8(dq.astype(jnp.float32), ds, xq, xs, gs, 1, interpret=True)
-    with pytest.raises(ValueError, match="blocks_per_step"):
-        W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 1, interpret=True, config=W.WgradConfig(blocks_per_step=3))
     with pytest.raises(ValueError, match="stages"):
         W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 1, interpret=True, config=W.WgradConfig(stages=5))
     dy, x = _bf16_operands(0, 64, 128, 128)
-    with pytest.raises(ValueError, match="blocks_per_step must be 1"):
-        W.grouped_wgrad_bf16(dy, x, gs, 1, interpret=True, config=W.WgradConfig(blocks_per_step=2))
+    with pytest.raises(ValueError, match="mask"):
+        W.grouped_wgrad_bf16(dy, x, gs, 1, interpret=True, config=W.WgradConfig(mask="c"))
     with pytest.raises(ValueError, match="multiples of 128"):
         W.grouped_wgrad_bf16(dy[:, :100], x, gs, 1, interpret=True)
 
@@ -272,7 +269,7 @@ def test_gpu_moe_shapes(n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768)])
-@pytest.mark.parametrize("cfg", [W.WgradConfig(), W.WgradConfig(blocks_per_step=2), W.WgradConfig(stages=3, mask="a")],
+@pytest.mark.parametrize("cfg", [W.WgradConfig(), W.WgradConfig(k_fastest=False), W.WgradConfig(stages=3, mask="a")],
                          ids=str)
 def test_gpu_persistent_moe_shapes_same_bits_as_gather_kernel(n, k, cfg):
     e, m = EXPERTS, ROWS
