@@ -211,9 +211,9 @@ case "${1:-}" in
           --out "$OUT/gemm_decode_$name.json" 2>&1 | quiet | tail -12 )
     done ;;
   pending)
-    timeout 280 $PY -m pytest -s -v -m gpu tests/rollout/test_flash_rollout_gpu.py -p no:cacheprovider --tb=short 2>&1 \
+    timeout 240 $PY -m pytest -s -v -m gpu tests/rollout/test_flash_rollout_gpu.py -p no:cacheprovider --tb=short 2>&1 \
       | quiet | tee "$OUT/flash_rollout_gpu.log" | grep -E "PASSED|FAILED|passed|failed|bit-identical|Error"
-    timeout 120 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_h200.json" 2>&1 | quiet \
+    timeout 190 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_h200.json" 2>&1 | quiet \
       | tee "$OUT/gemm_decode.log" | grep -E "^ours|rror"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 150 $PY experiments/benchmarks/gemm.py --suites wgrad --quick \
       --out "$OUT/gemm_wgrad_quick_h200.json" 2>&1 | quiet | tee "$OUT/gemm_wgrad_quick.log" | grep -E "^ours|^transposed|rror" ;;
