@@ -13,7 +13,9 @@
 #   bash experiments/h200_runs.sh rollout_workload [RECIPES]  # issue 22's RL rollout (64 x 16 rows, lengths to 8k):
 #                                            # continuous vs static, decode step vs roofline; RECIPES default bf16,fp8_block
 #                                            # (one recipe per call if both do not fit: bf16, then fp8_block,
-#                                            # appended into one $OUT/rollout_workload_h200.json)
+#                                            # appended into one $OUT/rollout_workload_h200.json); ROLLOUT_WORKLOAD_ARGS
+#                                            # adds flags, e.g. "--schedulers continuous --passes 2": the FP8 / BF16
+#                                            # steady ratio from a second pass on compiled programs (~6-7 min for both, estimated)
 #   bash experiments/h200_runs.sh rollout_workload_fast [RECIPES]  # the same workload on the non-bitwise engine
 #                                            # (--mode fast: JAXRL_FP8_HIGH_PRECISION=xla, cuBLAS dots), continuous only
 #                                            # (~4 min for both recipes) -> $OUT/rollout_workload_fast_h200.json; then
@@ -272,7 +274,8 @@ case "${1:-}" in
     timeout 280 $PY experiments/benchmarks/quantize.py --kernels fp8_per_token_group,mxfp8,fp8_per_block --rounds 5 \
         --out "$OUT/quantize_h200.json" 2>&1 | quiet | tee "$OUT/quantize.log" | tail -12 ;;
   rollout_workload) r="${2:-bf16,fp8_block}"
-              $PY experiments/benchmarks/rollout_workload.py --recipes "$r" --append --out "$OUT/rollout_workload_h200.json" 2>&1 \
+              $PY experiments/benchmarks/rollout_workload.py --recipes "$r" --append --out "$OUT/rollout_workload_h200.json" \
+              ${ROLLOUT_WORKLOAD_ARGS:-} 2>&1 \
               | quiet | tee "$OUT/rollout_workload_${r/,/_}.log" ;;
   rollout_workload_fast) r="${2:-bf16,fp8_block}"
               $PY experiments/benchmarks/rollout_workload.py --mode fast --schedulers continuous --recipes "$r" \

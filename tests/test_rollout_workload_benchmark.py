@@ -38,8 +38,11 @@ def test_tiny_workload_runs_and_reports_targets(tmp_path):
     assert isinstance(r["comparison"]["fp8_over_bf16"]["met"], bool)
     assert all(s["bytes_per_step"]["weights_read"] > 0 and s["roofline_step_ms_at_copy_bw"] > 0 for s in r["decode_step"])
     assert "| recipe | scheduler |" in p.stdout
-    # one recipe per run, appended into one JSON: the other recipe's points are kept, the comparisons span both
-    q = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--recipes", "fp8_block", "--append", "--out", str(out)],
+    assert all(len(x["passes"]) == 1 and x["steady_from"] == "first pass minus its compile events" for x in r["results"])
+    # one recipe per run, appended into one JSON: the other recipe's points are kept, the comparisons span both;
+    # two passes over the workload (the second on compiled programs, its bits checked against the first's)
+    q = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--recipes", "fp8_block", "--passes", "2", "--append",
+                        "--out", str(out)],
                        env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert q.returncode == 0, f"{q.stdout[-4000:]}\n{q.stderr[-6000:]}"
     again = json.loads(out.read_text())
@@ -47,6 +50,11 @@ def test_tiny_workload_runs_and_reports_targets(tmp_path):
     assert again["results"][:2] == r["results"][:2] and again["results"][2:] != r["results"][2:]
     assert again["comparison"]["bitwise_equal"] == {"bf16": True, "fp8_block": True}
     assert "fp8_over_bf16" in again["comparison"] and len(again["decode_step"]) == 2
+    for x in again["results"][2:]:
+        assert len(x["passes"]) == 2 and x["steady_from"] == "last pass"
+        first, last = x["passes"]
+        # the second pass compiles nothing new and is the steady figure
+        assert last["compile_s"] < first["compile_s"] and x["steady_tokens_per_s"] * (last["wall_s"] - last["compile_s"]) > 0
 
     # the non-bitwise engine (--mode fast: XLA dots) in its own process, merged beside the bitwise run
     fast = tmp_path / "fast.json"
