@@ -30,7 +30,8 @@
 #   bash experiments/h200_runs.sh rl_step_accum # 1k responses as an RL recipe runs them: 4 optimizer updates a step
 #                                            # (minibatches of 16 rows, gradients accumulated over micro-batches of 4,
 #                                            # the loss's logits in chunks of 2048 positions; 6 layers: 112-119 GB measured on 2026-12-05,
-#                                            # before train.run dropped its float32 model copy: ~17 GB less expected)
+#                                            # before train.run dropped its float32 model copy: ~17 GB less expected;
+#                                            # 3 layers on a card under 100 GB, named by the card: rl_step_h100_1k_accum)
 #                                            # instead of 32 updates of 2 rows
 #   bash experiments/h200_runs.sh rl_step_onpolicy # the same 64 rows as ONE optimizer update a step (16 micro-batches of
 #                                            # 4 rows): slime's on-policy default (--num-steps-per-rollout 1), where the
@@ -165,6 +166,12 @@ train_deps() {
 # rl_step LENGTH DEADLINE_S NAME: issue 23's yardstick at one response length (experiments/benchmarks/rl_step.py):
 # every point a process of its own (its peak memory its own), JSON after every point, points that would not finish
 # before the deadline skipped and recorded; preallocating 94 % of the GPU (the default 75 % leaves ~35 GB unused).
+# the accumulated steps' depth: 6 layers on an H200 (112-119 GB measured with the float32 copy train.run no longer
+# keeps), 3 on a card under 100 GB (an H100: ~11 GB a layer beyond ~30 GB of head, embedding and activations)
+card_mib() { nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1; }
+accum_layers() { [ "$(card_mib)" -ge 100000 ] 2>/dev/null && echo 6 || echo 3; }
+card_name() { [ "$(card_mib)" -ge 100000 ] 2>/dev/null && echo h200 || echo h100; }
+
 rl_step() {
   train_deps || return 1
   XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout $(( $2 + 30 )) \
@@ -176,10 +183,10 @@ rl_step() {
 case "${1:-}" in
   rl_step) rl_step 1024 "${2:-540}" rl_step_h200_1k ;;
   rl_step_long) rl_step 4096 "${2:-540}" rl_step_h200_4k ;;
-  rl_step_accum) RL_STEP_ARGS="--layers 6 --batch 16 --micro-batch 4 --logit-chunk 2048 ${RL_STEP_ARGS:-}" \
-      rl_step 1024 "${2:-540}" rl_step_h200_1k_accum ;;
-  rl_step_onpolicy) RL_STEP_ARGS="--layers 6 --batch 64 --micro-batch 4 --logit-chunk 2048 ${RL_STEP_ARGS:-}" \
-      rl_step 1024 "${2:-540}" rl_step_h200_1k_onpolicy ;;
+  rl_step_accum) RL_STEP_ARGS="--layers $(accum_layers) --batch 16 --micro-batch 4 --logit-chunk 2048 ${RL_STEP_ARGS:-}" \
+      rl_step 1024 "${2:-540}" "rl_step_$(card_name)_1k_accum" ;;
+  rl_step_onpolicy) RL_STEP_ARGS="--layers $(accum_layers) --batch 64 --micro-batch 4 --logit-chunk 2048 ${RL_STEP_ARGS:-}" \
+      rl_step 1024 "${2:-540}" "rl_step_$(card_name)_1k_onpolicy" ;;
   parallel) parallel "${2:-540}" ;;
   flash) $PY -m pytest -v -s -m gpu tests/pallas_kernels/test_attention.py tests/rollout/test_flash_rollout_gpu.py \
       tests/model/test_flash_attention.py -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/flash_gpu_tests.log" \
