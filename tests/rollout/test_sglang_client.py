@@ -172,6 +172,40 @@ def test_persistent_5xx_and_connection_refused_raise_server_unavailable():
     assert SGLangClient(stub.url).health(timeout_s=1) is False
 
 
+def test_connection_broken_inside_the_body_is_server_unavailable():
+    """A server killed while it answers: headers and part of the body sent, then the socket closed. requests raises
+    ChunkedEncodingError (not a ConnectionError); the client retries and then reports the server unavailable, so the
+    fleet takes it out and resends the request elsewhere instead of failing the rollout."""
+    hits = []
+
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            hits.append(1)
+            self.send_response(200)
+            self.send_header("Content-Length", "1084")
+            self.end_headers()
+            self.wfile.write(b'{"text": "partial')
+            self.wfile.flush()
+            self.close_connection = True
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        with pytest.raises(ServerUnavailable, match="after 4 attempts; last: ChunkedEncodingError"):
+            SGLangClient(url, retry=NO_SLEEP).generate(GenerateRequest(0, (1,), SamplingParams(), "r"))
+        assert len(hits) == 4
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_model_info_falls_back_to_legacy_endpoint():
     stub = Scripted([(404, {"detail": "Not Found"}), (200, {"weight_version": "w3", "model_path": "m"})])
     try:

@@ -281,7 +281,9 @@ class SGLangClient:
         for attempt in range(retry.max_attempts):
             try:
                 resp = self._session().request(method, self.url + path, json=json_body, timeout=timeout)
-            except (requests.ConnectionError, requests.Timeout) as e:
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
+                # ChunkedEncodingError: the connection broke inside the body (a server killed mid-answer), which
+                # requests does not count as a ConnectionError; the server is as unavailable as one that refused
                 last = f"{type(e).__name__}: {e}"
                 # The connection may be half-dead: start the next attempt on a fresh session.
                 self._local.session = None
