@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import traceback
@@ -48,10 +49,24 @@ def bench(torch, fn, iters=20, warmup=3, reps=5):
     return statistics.median(times), min(times)
 
 
+OUT: dict = {}  # main() fills: path, meta
+
+
+def save():
+    """The JSON so far (temp file renamed into place): written after every point, so the points measured before a
+    crash that takes the CUDA context with it (a device-side assert) reach the parent."""
+    if OUT:
+        tmp = OUT["path"] + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(dict(meta=OUT["meta"], results=RESULTS), fh, indent=1)
+        os.replace(tmp, OUT["path"])
+
+
 def record(name, shape, flops, t, **extra):
     med, best = t
     row = dict(name=name, shape=list(shape), median_ms=med * 1e3, min_ms=best * 1e3, tflops=flops / med / 1e12, **extra)
     RESULTS.append(row)
+    save()
     print(f"{name:56s} {str(shape):28s} {med*1e3:9.3f} ms {row['tflops']:8.1f} TFLOP/s", flush=True)
 
 
@@ -62,6 +77,7 @@ def attempt(label, fn):
     except Exception as e:  # noqa: BLE001 - recorded, the next anchor still runs
         print(f"{label}: FAILED {_err(e)}", flush=True)
         RESULTS.append(dict(name=label, error=_err(e), trace=traceback.format_exc()[-1500:]))
+        save()
         return False
 
 
@@ -208,17 +224,20 @@ def main(argv=None):
     p.add_argument("--moe", default="128,1024,1536,2048;128,1024,2048,768")
     args = p.parse_args(argv)
     meta = {}
+    OUT.update(path=args.out, meta=meta)
     try:
         import torch
-        meta = dict(torch=torch.__version__, cuda=torch.version.cuda, available=torch.cuda.is_available())
+        meta.update(torch=torch.__version__, cuda=torch.version.cuda, available=torch.cuda.is_available())
         if not torch.cuda.is_available():
             raise RuntimeError("torch sees no CUDA device")
         meta["device"] = torch.cuda.get_device_name(0)
         print(f"torch {torch.__version__} on {meta['device']}", flush=True)
+        meta["timing"] = "CUDA events around 20 back-to-back calls after 3 warm-ups; median and min over 5 repetitions"
+        meta["complete"] = False  # True once every anchor ran (a crash leaves the points before it)
     except Exception as e:  # noqa: BLE001
         meta["error"] = _err(e)
         print("torch anchors skipped:", meta["error"], flush=True)
-        json.dump(dict(meta=meta, results=RESULTS), open(args.out, "w"), indent=1)
+        save()
         return 0
     for case in filter(None, args.dense.split(";")):
         m, n, k = map(int, case.split(","))
@@ -228,8 +247,8 @@ def main(argv=None):
         e, rows, n, k = map(int, case.split(","))
         attempt(f"torch moe {case}", lambda: moe(torch, e, rows, n, k))
         torch.cuda.empty_cache()
-    meta["timing"] = "CUDA events around 20 back-to-back calls after 3 warm-ups; median and min over 5 repetitions"
-    json.dump(dict(meta=meta, results=RESULTS), open(args.out, "w"), indent=1)
+    meta["complete"] = True
+    save()
     return 0
 
 
