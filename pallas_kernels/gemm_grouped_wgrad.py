@@ -249,6 +249,38 @@ def _expert_run(table_gmem, g):
             table_gmem[LAST_EDGE, g] != 0)
 
 
+def _tile_walk(o_gmem, cfg: WgradConfig):
+    """(tiles per expert, t -> (expert, N tile, K tile)) of the persistent kernels' output [E, N, K]."""
+    _, n, k = o_gmem.shape
+    n_tiles, k_tiles = n // TILE, k // TILE
+    per_expert = n_tiles * k_tiles
+    return per_expert, functools.partial(_tile_coords, per_expert=per_expert, n_tiles=n_tiles, k_tiles=k_tiles,
+                                         k_fastest=cfg.k_fastest)
+
+
+def _tile_blocks(table_gmem, edge_gmem, a_gmem, b_gmem, a_smem, b_smem, full, coords, index, mask_a: bool):
+    """Output tile `index`'s expert block run and its loader: (block count, (j, slot, sub, width) -> block index),
+    which issues columns [sub * width, + width) of the tile's j-th block of both operands into ring buffer `slot`
+    (`_load_block`, the masked operand chosen by mask_a). Also returns the tile's (N rows, K rows) slices."""
+    g, ni, ki = coords(index)
+    first, count, first_edge, last_edge = _expert_run(table_gmem, g)
+    ns, ks = pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)
+
+    def load(j, slot, sub=0, width=BLOCK_K):
+        a, b = (a_gmem, a_smem.at[slot], ns), (b_gmem, b_smem.at[slot], ks)
+        return _load_block(edge_gmem, *((a, b) if mask_a else (b, a)), g=g, j=j, count=count, first=first,
+                           first_edge=first_edge, last_edge=last_edge, bar=full.at[slot], sub=sub, width=width)
+
+    return count, load, (ns, ks)
+
+
+def _rows_mma(a_smem, b_smem, rows):
+    """mma(acc_ref, slot): warpgroup's `rows` of the tile, A rows times B rows transposed (both K-major)."""
+    def mma(acc_ref, slot):
+        plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b_smem.at[slot].transpose((1, 0)))
+    return mma
+
+
 def _consume_tiles(table_gmem, o_gmem, out_smem, coords, per_expert: int, run_tile, wg):
     """Warpgroup wg's walk over the output tiles, in the memory warpgroup's order: acc, it = run_tile(block count,
     ring position) per tile, stored (an expert without rows stores the zeros run_tile returns). Each tile's block
@@ -274,27 +306,20 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
     """A `tma_ring` kernel: warpgroup 2 streams each tile's 128-row blocks (the expert's masked operand from the edge
     copy where shared, the plain one, both scales), warpgroups 0 / 1 each compute 64 rows of the 128 x 128 output
     tile; tiles expert-major over the SMs."""
-    e, n, k = o_gmem.shape
-    n_tiles, k_tiles = n // TILE, k // TILE
-    per_expert = n_tiles * k_tiles
+    e = o_gmem.shape[0]
+    per_expert, coords = _tile_walk(o_gmem, cfg)
     stages = cfg.stages
     tm = TILE // 2
     fp8_transforms = _swizzle_transforms(BLOCK_K, jnp.float8_e4m3fn)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-    coords = functools.partial(_tile_coords, per_expert=per_expert, n_tiles=n_tiles, k_tiles=k_tiles,
-                               k_fastest=cfg.k_fastest)
-
     def scoped(a_smem, b_smem, sa_smem, sb_smem, out_smem, full, empty):
         def tile(index):
-            g, ni, ki = coords(index)
-            first, count, first_edge, last_edge = _expert_run(table_gmem, g)
-            ns, ks = pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)
+            count, load_block, (ns, ks) = _tile_blocks(table_gmem, edge_gmem, a_gmem, b_gmem, a_smem, b_smem, full,
+                                                       coords, index, mask_a)
 
             def load(j, slot):
-                a, b = (a_gmem, a_smem.at[slot], ns), (b_gmem, b_smem.at[slot], ks)
-                blk = _load_block(edge_gmem, *((a, b) if mask_a else (b, a)), g=g, j=j, count=count, first=first,
-                                  first_edge=first_edge, last_edge=last_edge, bar=full.at[slot])
+                blk = load_block(j, slot)
                 plgpu.copy_gmem_to_smem(sa_gmem.at[blk, ns], sa_smem.at[slot], full.at[slot])
                 plgpu.copy_gmem_to_smem(sb_gmem.at[blk, ks], sb_smem.at[slot], full.at[slot])
 
@@ -302,9 +327,7 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
 
         def compute(wg):
             rows = pl.ds(wg * tm, tm)
-
-            def mma(acc_ref, slot):
-                plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b_smem.at[slot].transpose((1, 0)))
+            mma = _rows_mma(a_smem, b_smem, rows)
 
             def promote(acc, acc_ref, slot, wait_n):
                 """acc + p * (sa[n] * sb[k]) of the block in `slot` (the block math), whose wgmma was issued; frees
@@ -391,34 +414,24 @@ def _persistent_bf16_kernel(table_gmem, a_gmem, b_gmem, edge_gmem, o_gmem, *, cf
     """The persistent kernel's BF16 form: the same tiles, expert block runs and edge copies, each 128-row block in
     two ring steps of 64 rows (the widest swizzle of 16-bit rows); warpgroups 0 / 1 chain every step's wgmma into the
     tile's accumulator in M order (no scales: no promotion), as the gather scheme's tile pipeline does."""
-    e, n, k = o_gmem.shape
-    n_tiles, k_tiles = n // TILE, k // TILE
-    per_expert = n_tiles * k_tiles
+    e = o_gmem.shape[0]
+    per_expert, coords = _tile_walk(o_gmem, cfg)
     stages, tm = cfg.stages, TILE // 2
     steps_per_block = BLOCK_K // BF16_STEP
-    coords = functools.partial(_tile_coords, per_expert=per_expert, n_tiles=n_tiles, k_tiles=k_tiles,
-                               k_fastest=cfg.k_fastest)
     transforms = _swizzle_transforms(BF16_STEP, jnp.bfloat16)
 
     def scoped(a_smem, b_smem, out_smem, full, empty):
         def tile(index):
-            g, ni, ki = coords(index)
-            first, count, first_edge, last_edge = _expert_run(table_gmem, g)
-            ns, ks = pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)
+            count, load_block, _ = _tile_blocks(table_gmem, edge_gmem, a_gmem, b_gmem, a_smem, b_smem, full, coords,
+                                                index, mask_a)
 
             def load(step, slot):
-                a, b = (a_gmem, a_smem.at[slot], ns), (b_gmem, b_smem.at[slot], ks)
-                _load_block(edge_gmem, *((a, b) if mask_a else (b, a)), g=g, j=lax.div(step, steps_per_block),
-                            count=count, first=first, first_edge=first_edge, last_edge=last_edge, bar=full.at[slot],
-                            sub=lax.rem(step, steps_per_block), width=BF16_STEP)
+                load_block(lax.div(step, steps_per_block), slot, sub=lax.rem(step, steps_per_block), width=BF16_STEP)
 
             return count * steps_per_block, load
 
         def compute(wg):
-            rows = pl.ds(wg * tm, tm)
-
-            def mma(acc_ref, slot):
-                plgpu.wgmma(acc_ref, a_smem.at[slot, rows], b_smem.at[slot].transpose((1, 0)))
+            mma = _rows_mma(a_smem, b_smem, pl.ds(wg * tm, tm))
 
             def run_tile(count, it):
                 def scope(acc_ref):  # an expert without rows (count 0) gets the accumulator's zeros
