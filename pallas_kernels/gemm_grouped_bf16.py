@@ -169,6 +169,8 @@ def grouped_matmul(x, w, group_sizes, *, layout: str = "nk", out_dtype=F32, inte
     cfg = config or Bf16GroupedConfig()
     if not supports(o, c, cfg):
         raise ValueError(f"{where}: needs the output width a multiple of {cfg.tile_n} and C a multiple of {TILE_K}; got O={o}, C={c}")
+    if cfg.max_concurrent_steps < 2:  # the ring keeps one step's buffer while the next step's wgmma is issued
+        raise ValueError(f"{where}: max_concurrent_steps must be at least 2; got {cfg.max_concurrent_steps}")
     if group_sizes.shape != (e,):
         raise ValueError(f"{where}: group_sizes must be [{e}]; got {group_sizes.shape}")
     tile = 2 * cfg.tile_m

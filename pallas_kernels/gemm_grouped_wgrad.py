@@ -16,9 +16,8 @@ item-major operands (other experts' rows zeroed), then each output tile runs the
 a dynamic-length pipeline. Same bits as the persistent kernel.
 
 `grouped_wgrad_bf16(dy, x, ...)` (the BF16 recipes' and the high-precision backward's wgrad) is the same persistent
-kernel on BF16 operands: dy^T / x^T made by XLA transposes (wgmma reads 16-bit operands K-major here, as the FP8
-quantizer's fused transpose lays its own out), each 128-row block in two 64-row ring steps chained into one
-accumulator, the same edge copies. `grouped_wgrad_bf16_gather` is its gather-scheme oracle (item-major copies of both
+kernel on BF16 operands read in place from dy [M, N] / x [M, K] (16-bit wgmma takes MN-major operands, so no
+transposed copy), each 128-row block in two 64-row ring steps chained into one accumulator, the same edge copies. `grouped_wgrad_bf16_gather` is its gather-scheme oracle (item-major copies of both
 operands, the BF16 grouped kernel's tile routine): same bits.
 """
 
@@ -196,19 +195,26 @@ def expert_table(group_sizes, m: int, num_groups: int):
     return table, items, jnp.stack([fi, li], axis=1).reshape(-1)
 
 
-def edge_blocks(a, items, edge_items):
-    """a [C, Mp] (Mp whole 128-blocks; e4m3 or bf16) -> [C, 2E*128]: columns 256e ... +128 hold expert e's first
-    block of a, columns 256e + 128 ... +128 its last block, each with the rows (columns here) of other experts zeroed
-    (on the bits: an all-zero word is +0.0 in both formats).
+def edge_blocks(a, items, edge_items, *, m_axis: int = 1):
+    """a [C, Mp] (m_axis 1) or [Mp, C] (m_axis 0), Mp whole 128-blocks, e4m3 or bf16 -> [C, 2E*128] (or [2E*128, C]):
+    M positions 256e ... +128 hold expert e's first block of a, 256e + 128 ... +128 its last block, each with the rows
+    of other experts zeroed (on the bits: an all-zero word is +0.0 in both formats).
     The only copy of operand data the kernel needs: C x 2E x 128 values (vs. all of both operands to gather)."""
-    c, mp = a.shape
     word = {1: jnp.uint8, 2: jnp.uint16}[jnp.dtype(a.dtype).itemsize]
-    u = lax.bitcast_convert_type(a, word).reshape(c, mp // BLOCK_K, BLOCK_K)
     lane = jnp.arange(BLOCK_K, dtype=jnp.int32)
     lo = items[OFFSET][edge_items][:, None]
     keep = (lane >= lo) & (lane < lo + items[SIZE][edge_items][:, None]) & (items[GROUP][edge_items] >= 0)[:, None]
-    u = jnp.where(keep[None], jnp.take(u, items[BLOCK][edge_items], axis=1), jnp.zeros((), word))
-    return lax.bitcast_convert_type(u.reshape(c, -1), a.dtype)
+    blocks = items[BLOCK][edge_items]
+    u = lax.bitcast_convert_type(a, word)
+    if m_axis == 0:  # blocks gathered as whole [128, C] row runs: no transposed copy of a
+        mp, c = a.shape
+        u = jnp.take(u.reshape(mp // BLOCK_K, BLOCK_K, c), blocks, axis=0)
+        u = jnp.where(keep[:, :, None], u, jnp.zeros((), word)).reshape(-1, c)
+    else:
+        c, mp = a.shape
+        u = jnp.take(u.reshape(c, mp // BLOCK_K, BLOCK_K), blocks, axis=1)
+        u = jnp.where(keep[None], u, jnp.zeros((), word)).reshape(c, -1)
+    return lax.bitcast_convert_type(u, a.dtype)
 
 
 def _tile_coords(t, *, per_expert: int, n_tiles: int, k_tiles: int, k_fastest: bool):
@@ -220,26 +226,29 @@ def _tile_coords(t, *, per_expert: int, n_tiles: int, k_tiles: int, k_fastest: b
 
 
 def _load_block(edge_gmem, masked, plain, *, g, j, count, first, first_edge, last_edge, bar, sub=0, width=BLOCK_K):
-    """TMA copies of columns [sub * width, + width) of expert g's j-th 128-row block (of `count`, from block `first`)
-    into this step's buffers: the masked operand from the edge copy where the block is shared with another expert
-    (first_edge / last_edge), in place otherwise; the plain operand in place. masked / plain: (gmem, smem buffer,
-    rows of the output tile). Returns the block's index along M (its scales' row)."""
-    (masked_gmem, masked_smem, masked_rows), (plain_gmem, plain_smem, plain_rows) = masked, plain
+    """TMA copies of M positions [sub * width, + width) of expert g's j-th 128-row block into this step's buffers: the
+    masked operand from the edge copy where the block is shared with another expert (first_edge / last_edge), in place
+    otherwise; the plain operand in place. masked / plain: (gmem, copies), each copy (view, smem buffer) with
+    view(array, M slice) the window of the array that fills the buffer. Returns the block's index along M (its
+    scales' row)."""
+    (masked_gmem, masked_copies), (plain_gmem, plain_copies) = masked, plain
     blk = first + j
-    cols = pl.ds(blk * BLOCK_K + sub * width, width)
+    ms = pl.ds(blk * BLOCK_K + sub * width, width)
     at_first, at_last = j == 0, j == count - 1
     is_edge = (at_first & first_edge) | (at_last & last_edge)
-    edge_cols = pl.ds((2 * g + jnp.where(at_first, 0, 1)) * BLOCK_K + sub * width, width)
+    edge_ms = pl.ds((2 * g + jnp.where(at_first, 0, 1)) * BLOCK_K + sub * width, width)
 
-    @pl.when(is_edge)
-    def _():
-        plgpu.copy_gmem_to_smem(edge_gmem.at[masked_rows, edge_cols], masked_smem, bar)
+    for view, smem in masked_copies:
+        @pl.when(is_edge)
+        def _():
+            plgpu.copy_gmem_to_smem(view(edge_gmem, edge_ms), smem, bar)
 
-    @pl.when(jnp.logical_not(is_edge))
-    def _():
-        plgpu.copy_gmem_to_smem(masked_gmem.at[masked_rows, cols], masked_smem, bar)
+        @pl.when(jnp.logical_not(is_edge))
+        def _():
+            plgpu.copy_gmem_to_smem(view(masked_gmem, ms), smem, bar)
 
-    plgpu.copy_gmem_to_smem(plain_gmem.at[plain_rows, cols], plain_smem, bar)
+    for view, smem in plain_copies:
+        plgpu.copy_gmem_to_smem(view(plain_gmem, ms), smem, bar)
     return blk
 
 
@@ -258,16 +267,27 @@ def _tile_walk(o_gmem, cfg: WgradConfig):
                                          k_fastest=cfg.k_fastest)
 
 
-def _tile_blocks(table_gmem, edge_gmem, a_gmem, b_gmem, a_smem, b_smem, full, coords, index, mask_a: bool):
+def _tile_blocks(table_gmem, edge_gmem, a_gmem, b_gmem, a_smem, b_smem, full, coords, index, mask_a: bool,
+                 mn_major: bool = False):
     """Output tile `index`'s expert block run and its loader: (block count, (j, slot, sub, width) -> block index),
-    which issues columns [sub * width, + width) of the tile's j-th block of both operands into ring buffer `slot`
-    (`_load_block`, the masked operand chosen by mask_a). Also returns the tile's (N rows, K rows) slices."""
+    which issues M positions [sub * width, + width) of the tile's j-th block of both operands into ring buffer `slot`
+    (`_load_block`, the masked operand chosen by mask_a). Also returns the tile's (N rows, K rows) slices.
+    Operands dy^T [N, M] / x^T [K, M] (K-major buffers [128, width]), or with mn_major dy [M, N] / x [M, K] read in
+    place: B into a [width, 128] buffer, A as two [width, 64] halves (a_smem [stages, 2, width, 64]), one per compute
+    warpgroup."""
     g, ni, ki = coords(index)
     first, count, first_edge, last_edge = _expert_run(table_gmem, g)
     ns, ks = pl.ds(ni * TILE, TILE), pl.ds(ki * TILE, TILE)
 
     def load(j, slot, sub=0, width=BLOCK_K):
-        a, b = (a_gmem, a_smem.at[slot], ns), (b_gmem, b_smem.at[slot], ks)
+        if mn_major:
+            half = lambda h: pl.ds(ni * TILE + h * (TILE // 2), TILE // 2)  # noqa: E731
+            a_copies = [(lambda arr, m, h=h: arr.at[m, half(h)], a_smem.at[slot, h]) for h in range(2)]
+            b_copies = [(lambda arr, m: arr.at[m, ks], b_smem.at[slot])]
+        else:
+            a_copies = [(lambda arr, m: arr.at[ns, m], a_smem.at[slot])]
+            b_copies = [(lambda arr, m: arr.at[ks, m], b_smem.at[slot])]
+        a, b = (a_gmem, a_copies), (b_gmem, b_copies)
         return _load_block(edge_gmem, *((a, b) if mask_a else (b, a)), g=g, j=j, count=count, first=first,
                            first_edge=first_edge, last_edge=last_edge, bar=full.at[slot], sub=sub, width=width)
 
@@ -411,19 +431,21 @@ BF16_STEP = gemm_grouped_bf16.TILE_K  # tokens per ring step of the BF16 kernel:
 
 
 def _persistent_bf16_kernel(table_gmem, a_gmem, b_gmem, edge_gmem, o_gmem, *, cfg: WgradConfig, mask_a: bool):
-    """The persistent kernel's BF16 form: the same tiles, expert block runs and edge copies, each 128-row block in
-    two ring steps of 64 rows (the widest swizzle of 16-bit rows); warpgroups 0 / 1 chain every step's wgmma into the
-    tile's accumulator in M order (no scales: no promotion), as the gather scheme's tile pipeline does."""
+    """The persistent kernel's BF16 form on dy [M, N] / x [M, K] read in place (16-bit wgmma takes either operand
+    MN-major, so no transposed copy): the same tiles, expert block runs and edge copies, each 128-row block in two
+    ring steps of 64 rows; warpgroup w multiplies its 64-column half of dy's rows (transposed in shared memory) by
+    x's rows, chaining every step's wgmma into the tile's accumulator in M order (no scales: no promotion), as the
+    gather scheme's tile pipeline does."""
     e = o_gmem.shape[0]
     per_expert, coords = _tile_walk(o_gmem, cfg)
     stages, tm = cfg.stages, TILE // 2
     steps_per_block = BLOCK_K // BF16_STEP
-    transforms = _swizzle_transforms(BF16_STEP, jnp.bfloat16)
+    transforms = _swizzle_transforms(BF16_STEP, jnp.bfloat16)  # 64-wide rows: 128-byte swizzle, 8 x 64 tiles
 
     def scoped(a_smem, b_smem, out_smem, full, empty):
         def tile(index):
             count, load_block, _ = _tile_blocks(table_gmem, edge_gmem, a_gmem, b_gmem, a_smem, b_smem, full, coords,
-                                                index, mask_a)
+                                                index, mask_a, mn_major=True)
 
             def load(step, slot):
                 load_block(lax.div(step, steps_per_block), slot, sub=lax.rem(step, steps_per_block), width=BF16_STEP)
@@ -431,7 +453,8 @@ def _persistent_bf16_kernel(table_gmem, a_gmem, b_gmem, edge_gmem, o_gmem, *, cf
             return count * steps_per_block, load
 
         def compute(wg):
-            mma = _rows_mma(a_smem, b_smem, pl.ds(wg * tm, tm))
+            def mma(acc_ref, slot):
+                plgpu.wgmma(acc_ref, a_smem.at[slot, wg].transpose((1, 0)), b_smem.at[slot])
 
             def run_tile(count, it):
                 def scope(acc_ref):  # an expert without rows (count 0) gets the accumulator's zeros
@@ -448,10 +471,10 @@ def _persistent_bf16_kernel(table_gmem, a_gmem, b_gmem, edge_gmem, o_gmem, *, cf
 
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((stages, TILE, BF16_STEP), jnp.bfloat16, transforms=transforms),
-        plgpu.SMEM((stages, TILE, BF16_STEP), jnp.bfloat16, transforms=transforms),
+        plgpu.SMEM((stages, 2, BF16_STEP, tm), jnp.bfloat16, transforms=transforms),
+        plgpu.SMEM((stages, BF16_STEP, TILE), jnp.bfloat16, transforms=transforms),
         plgpu.SMEM((2, tm, TILE), F32, transforms=_swizzle_transforms(TILE, F32)),
-        *tma_ring.barriers(stages, loads_per_step=2),
+        *tma_ring.barriers(stages, loads_per_step=3),
         collective_axes="wg",
     )
 
@@ -475,21 +498,21 @@ def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool =
     """float32 [E, N, K] = per expert dy[rows]^T . x[rows] with BF16 operands; dy [M, N], x [M, K] sorted by
     expert, rows past sum(group_sizes) ignored. N and K multiples of 128 (`ops.grouping.grouped_wgrad`'s contract).
 
-    The persistent kernel on dy^T / x^T (two XLA transposes: wgmma reads 16-bit operands K-major here, as the FP8
-    kernel's fused transpose-quantizer lays its own out), their 128-row blocks read in place and only the shared end
-    blocks of each expert copied pre-masked. Bits equal `grouped_wgrad_bf16_gather` (same steps, same order)."""
+    The persistent kernel on dy / x as they are (their 128-row blocks read in place by TMA, no transposed copy), only
+    the shared end blocks of each expert copied pre-masked. Bits equal `grouped_wgrad_bf16_gather` (same steps, same
+    order)."""
     where = "gemm_grouped_wgrad.grouped_wgrad_bf16"
     m, n, k = _check_bf16(dy, x, group_sizes, num_groups, where)
     cfg = config or DEFAULT_WGRAD_CONFIG
     cfg.check(where)
-    mp = -(-m // BLOCK_K) * BLOCK_K
-    dyt, xt = (jnp.pad(a.astype(jnp.bfloat16).T, [(0, 0), (0, mp - m)]) for a in (dy, x))
+    mp = -(-m // BLOCK_K) * BLOCK_K  # whole blocks for TMA (a copy only when M is not a multiple of 128)
+    dy, x = (jnp.pad(a.astype(jnp.bfloat16), [(0, mp - m), (0, 0)]) if mp != m else a.astype(jnp.bfloat16) for a in (dy, x))
     table, items, edge_items = expert_table(group_sizes, m, num_groups)
     mask_a = cfg.mask == "a" or (cfg.mask == "auto" and n <= k)
-    edge = edge_blocks(dyt if mask_a else xt, items, edge_items)
+    edge = edge_blocks(dy if mask_a else x, items, edge_items, m_axis=0)
     kernel = functools.partial(_persistent_bf16_kernel, cfg=cfg, mask_a=mask_a)
     out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
-    return launch_persistent(kernel, out, table, dyt, xt, edge, name="gemm_wgrad_bf16", interpret=interpret)
+    return launch_persistent(kernel, out, table, dy, x, edge, name="gemm_wgrad_bf16", interpret=interpret)
 
 
 def _bf16_gather_kernel(ranges_gmem, a_gmem, b_gmem, o_gmem, *, cfg, num_items: int):

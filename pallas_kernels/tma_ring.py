@@ -74,18 +74,32 @@ def produce(num_tiles: int, tile, *, stages: int, empty) -> None:
 
 
 def chained_steps(acc_ref, n, it, *, full, empty, stages: int, mma):
-    """n ring steps from ring position `it`, each mma(acc_ref, slot) chained into one wgmma accumulator (no scales):
-    wait for the buffer, multiply, wait for the wgmma, free the buffer. Returns the ring position after them."""
+    """n ring steps from ring position `it`, each mma(acc_ref, slot) chained into one wgmma accumulator (no scales).
+    One wgmma stays in flight: a step waits for its buffer, issues its wgmma, then waits only for the step before's
+    and frees that one's buffer, so the tensor core never idles between steps (the buffer of the step in flight is
+    still held, hence `stages` >= 2). Same wgmmas on the same accumulator in the same order: the same bits as waiting
+    for each. Returns the ring position after them."""
 
-    def step(_, it):
+    def step(j, it):
         s = slot(it, stages)
         plgpu.barrier_wait(full.at[s])
         mma(acc_ref, s)
-        plgpu.wgmma_wait(0)
-        plgpu.barrier_arrive(empty.at[s])
+        plgpu.wgmma_wait(1)
+
+        @pl.when(j > 0)
+        def _():
+            plgpu.barrier_arrive(empty.at[slot(it - 1, stages)])
+
         return it + 1
 
-    return lax.fori_loop(0, n, step, it)
+    end = lax.fori_loop(0, n, step, it)
+    plgpu.wgmma_wait(0)
+
+    @pl.when(n > 0)
+    def _():
+        plgpu.barrier_arrive(empty.at[slot(end - 1, stages)])
+
+    return end
 
 
 def promoted_blocks(n, acc, it, *, full, stages: int, blocks_per_step: int, acc_shape, mma, promote):

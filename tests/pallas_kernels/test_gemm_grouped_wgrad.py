@@ -154,6 +154,9 @@ def test_expert_table_and_edge_blocks():
             want = np.where((lanes >= start) & (lanes < start + s), raw[:, blk], 0)
             np.testing.assert_array_equal(edge[:, g, which], want)
         start += s
+    rows = W.edge_blocks(a.T, items, edge_items, m_axis=0)  # the BF16 kernel's [M, C] operands: the same blocks
+    assert rows.shape == (5 * 2 * 128, 3)
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(rows, jnp.uint8)).T.reshape(3, 5, 2, 128), edge)
 
 
 @pytest.mark.parametrize("cfg", [W.WgradConfig(), *CONFIGS], ids=str)
