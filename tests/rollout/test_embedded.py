@@ -278,3 +278,23 @@ def test_decode_loops_take_fp8_weights_as_operands_prepared_once(engine):
             np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
         else:
             assert b is a
+
+
+def test_fp8_rollout_weights_are_quantized_on_the_trainers_backend(monkeypatch):
+    """The engine's fp8-block operands come from the quantizer the trainer's GEMMs use for that shape (on Hopper the
+    Pallas kernel, whose bits XLA:GPU's fusion of the contract does not always give for BF16 weights: decision record
+    0001). A rollout quantized on the other backend failed the 4k bitwise GPU test (fp8_block, H100)."""
+    from jaxrl_fp8.ops import backends, operands
+    from jaxrl_fp8.precision import formats as F
+    from jaxrl_fp8.rollout.embedded import rollout_operand
+
+    asked = []
+    quantize = operands.fp8_weight
+    monkeypatch.setattr(backends, "resolve", lambda backend, fmt, n, k: asked.append((backend, fmt, n, k)) or "xla")
+    monkeypatch.setattr(operands, "fp8_weight", lambda w, backend=None: asked.append(backend) or quantize(w, backend))
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((3, 256, 384)), jnp.bfloat16)
+    got = rollout_operand(w, F.FP8_BLOCK)
+    assert asked == [(None, F.FP8_BLOCK, 256, 384), "xla"]  # the trainer's choice (auto), then that backend
+    q, s = quantize(w, "xla")
+    np.testing.assert_array_equal(np.asarray(got.data).view(np.uint8), np.asarray(q).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(s))

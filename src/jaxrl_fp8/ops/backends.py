@@ -104,6 +104,16 @@ def _kernel_scale_operand(scale, n: int, k: int, backend: str):
     return gemm_grouped.weight_scale_operand(scale) if scale.ndim == 3 else gemm_dense.weight_scale_operand(scale, n, k)
 
 
+def fp8_weight_operands(w, backend: str | None = None):
+    """(q, 128x128 scale_inv) of `w` [..., N, K] quantized where `ops` would quantize it for a GEMM of its shape: the
+    Pallas kernel on the Mosaic backend, the contract's jnp function elsewhere. Whoever hands fp8-block operands to
+    a GEMM (the trainer's prepared weights, the rollout engine's weights) must make them here: on the GPU the XLA
+    fusion of the contract is not bitwise equal to the kernel for every BF16 input (decision record 0001), and the
+    trainer's forward quantizes on the kernel."""
+    n, k = w.shape[-2:] if isinstance(w, QuantizedWeight) else jax.numpy.shape(w)[-2:]
+    return operands.fp8_weight(w, resolve(backend, F.FP8_BLOCK, n, k))
+
+
 def prepare_fp8_weight(w, backend: str | None = None, *, dgrad: bool = False):
     """`w` [..., N, K] with its 128x128-block FP8 operands made on the backend ops would pick for its shape: an
     `operands.PreparedWeight` (its quantization, and on the Mosaic backend the kernel's layout of its scales, then
@@ -116,7 +126,7 @@ def prepare_fp8_weight(w, backend: str | None = None, *, dgrad: bool = False):
         raise ValueError(f"ops.prepare_fp8_weight: a QuantizedWeight in {w.fmt!r}; only fp8-block operands are prepared")
     n, k = w.shape[-2:] if quantized else jax.numpy.shape(w)[-2:]
     be = resolve(backend, F.FP8_BLOCK, n, k)
-    q, scale = operands.fp8_weight(w, be)
+    q, scale = fp8_weight_operands(w, be)
     value = None if quantized else w
     prepared = operands.PreparedWeight(value, q, scale, scale_op=_kernel_scale_operand(scale, n, k, be))
     if not dgrad:

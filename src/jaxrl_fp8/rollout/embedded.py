@@ -6,7 +6,7 @@ gets there by construction, not by tolerance:
 
 - the forward is `model.Qwen3` itself under the recipe's ROLLOUT `PrecisionPolicy` (same `ops`, same
   contract functions); weights are prepared once per version into exactly the operands the trainer's ops
-  build on the fly (`ops.operands.fp8_weight` for fp8-block, `quantize_weight` for MXFP8/NVFP4, a BF16
+  build on the fly (`ops.backends.fp8_weight_operands` for fp8-block, on the trainer's backend; `quantize_weight` for MXFP8/NVFP4, a BF16
   cast for bf16), or are the `QuantizedWeight`s of an FP8 checkpoint;
 - prompts are RIGHT-padded, so a token's rotary position is its cache slot; the model's reductions and
   attention are row invariant (`model.numerics`; `model.attention` "exact" or the "flash" kernels, whose key
@@ -64,7 +64,7 @@ from jaxrl_fp8.model.cache import PAGE_SIZE, PagePool, pages_for
 from jaxrl_fp8.model.config import ModelConfig
 from jaxrl_fp8.model.policy import Policy, from_pretrained
 from jaxrl_fp8.model.qwen3 import Qwen3
-from jaxrl_fp8.ops import operands
+from jaxrl_fp8.ops import backends
 from jaxrl_fp8.precision import PrecisionPolicy, QuantizedWeight, Recipe, detect_hardware, quantize_weight
 from jaxrl_fp8.precision import formats as F
 from jaxrl_fp8.precision.names import hf_to_trainer
@@ -154,7 +154,8 @@ class EngineConfig:
 def rollout_operand(value, fmt: str | None):
     """A projection weight as the rollout format consumes it; bit-identical to what `ops` builds on the fly.
 
-    fp8-block: `ops.operands.fp8_weight` (the trainer's own quantizer call) wrapped as a QuantizedWeight;
+    fp8-block: `ops.backends.fp8_weight_operands` (the trainer's own quantizer, on the backend the trainer's GEMM
+    picks: the Pallas kernel on Hopper) wrapped as a QuantizedWeight;
     mxfp8/nvfp4: `precision.quantize_weight`; bf16: a BF16 cast (ops casts to BF16 anyway); None: as is.
     A QuantizedWeight already in `fmt` (an FP8 checkpoint) is used as loaded.
     """
@@ -167,7 +168,7 @@ def rollout_operand(value, fmt: str | None):
     if fmt == F.BF16:
         return jnp.asarray(value).astype(jnp.bfloat16)
     if fmt == F.FP8_BLOCK:
-        q, s = operands.fp8_weight(value)
+        q, s = backends.fp8_weight_operands(value)
         return QuantizedWeight(q, s, None, F.FP8_BLOCK, int(value.shape[-1]))
     return quantize_weight(value, fmt)
 
