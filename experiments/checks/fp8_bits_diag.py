@@ -45,7 +45,8 @@ def force_xla(variant: str) -> None:
         operands.fp8_weight = lambda w, backend=None: weight(w, "xla")
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """Exit status 0 when every comparison is bit-identical, 1 otherwise."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", choices=VARIANTS, default="default", help="which FP8 piece runs the XLA path")
     ap.add_argument("--recipe", default="fp8_block", help="precision recipe (bf16 as the control)")
@@ -53,6 +54,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per row (random ids)")
     ap.add_argument("--new", type=int, default=64, help="response tokens per row (EOS ignored)")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the slice")
+    ap.add_argument("--small", action="store_true",
+                    help="a small slice instead (hidden 128, 2/1 heads of 64, 8 experts of 128 top-2, vocab 512; every "
+                         "projection a multiple of 128, so the kernels take it): runs on CPU in seconds (the tests)")
     args = ap.parse_args(argv)
     force_xla(args.variant)
 
@@ -62,10 +66,15 @@ def main(argv=None) -> None:
     from jaxrl_fp8.rollout.embedded import EmbeddedEngine
     from jaxrl_fp8.rollout.types import SamplingParams
 
-    cfg = tiny_config(vocab_size=151936, hidden_size=2048, num_hidden_layers=args.layers, num_attention_heads=32,
-                      num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
-                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6,
-                      max_position_embeddings=40960, attention_impl="flash")
+    if args.small:
+        cfg = tiny_config(vocab_size=512, hidden_size=128, num_hidden_layers=args.layers, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=64, intermediate_size=256, moe_intermediate_size=128,
+                          num_experts=8, num_experts_per_tok=2)
+    else:
+        cfg = tiny_config(vocab_size=151936, hidden_size=2048, num_hidden_layers=args.layers, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6,
+                          max_position_embeddings=40960, attention_impl="flash")
     policy = random_policy(cfg, seed=7, dtype="bfloat16", recipe=get_recipe(args.recipe))
     engine = EmbeddedEngine(policy, max_batch=args.rows, max_seq_len=args.prompt + args.new)
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (args.rows, args.prompt)).tolist()
@@ -84,9 +93,11 @@ def main(argv=None) -> None:
             lp = sampling.token_logprobs(logits, np.roll(ids, -1, axis=1), np.ones(ids.shape, np.float32))
             parts.append(np.asarray(lp)[:, span])
         scored[per_forward] = np.concatenate(parts)
+    same = True
     head = f"{args.variant:11s} {args.recipe} rows {args.rows} prompt {args.prompt} new {args.new} layers {args.layers}"
     for per_forward, lp in scored.items():
         d = lp - rollout
+        same &= bool(np.all(d == 0))
         first = [int(np.argmax(r != 0)) if np.any(r != 0) else -1 for r in d]
         print(f"{head}: trainer ({per_forward} rows a forward) vs rollout: identical {np.mean(d == 0):.4f}, "
               f"max |dlogp| {np.abs(d).max():.3e}, first differing step per row {first[:8]}", flush=True)
@@ -94,7 +105,9 @@ def main(argv=None) -> None:
         d = scored[1] - scored[args.rows]
         print(f"{head}: trainer 1 row vs {args.rows} rows a forward: identical {np.mean(d == 0):.4f}, "
               f"max {np.abs(d).max():.3e} (generate {gen_s:.1f} s)", flush=True)
+        same &= bool(np.all(d == 0))
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
