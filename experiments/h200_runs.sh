@@ -40,9 +40,10 @@
 #   bash experiments/h200_runs.sh kernels_vs_base  # decode attention + decode GEMMs of this tree vs a carried .base (below)
 #   bash experiments/h200_runs.sh flash_dq   # the dq kernel's 64- vs 128-key steps, fwd+bwd TFLOP/s beside cuDNN
 #   bash experiments/h200_runs.sh pending    # (< 10 min) what the last build left unmeasured, in order: the 4k flash
-#                                            # rollout == trainer bits (both recipes), the decode GEMM suite (two K
-#                                            # blocks a step beside the default and narrow splits), the BF16 wgrad's
-#                                            # persistent kernel against its gather scheme (gemm.py --suites wgrad --quick)
+#                                            # rollout == trainer bits (both recipes; fp8_block after the engine's weights
+#                                            # moved to the trainer's quantizer), the BF16 kernels' GPU bit tests (one
+#                                            # wgmma in flight; the wgrad reading dy / x in place), the wgrad suite (BF16
+#                                            # against transposed_ragged_dot_mgpu), the decode suite (BF16 ring)
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
 #   bash experiments/h200_runs.sh profile [DEADLINE_S]  # (~5-6 min of the 570 s default) where the time of one decode
@@ -220,12 +221,14 @@ case "${1:-}" in
           --out "$OUT/gemm_decode_$name.json" 2>&1 | quiet | tail -12 )
     done ;;
   pending)
-    timeout 240 $PY -m pytest -s -v -m gpu tests/rollout/test_flash_rollout_gpu.py -p no:cacheprovider --tb=short 2>&1 \
+    timeout 200 $PY -m pytest -s -v -m gpu tests/rollout/test_flash_rollout_gpu.py -p no:cacheprovider --tb=short 2>&1 \
       | quiet | tee "$OUT/flash_rollout_gpu.log" | grep -E "PASSED|FAILED|passed|failed|bit-identical|Error"
-    timeout 190 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_h200.json" 2>&1 | quiet \
-      | tee "$OUT/gemm_decode.log" | grep -E "^ours|rror"
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 150 $PY experiments/benchmarks/gemm.py --suites wgrad --quick \
-      --out "$OUT/gemm_wgrad_quick_h200.json" 2>&1 | quiet | tee "$OUT/gemm_wgrad_quick.log" | grep -E "^ours|^transposed|rror" ;;
+    timeout 120 $PY -m pytest -q -m gpu tests/pallas_kernels/test_gemm_grouped_bf16.py tests/pallas_kernels/test_gemm_grouped_wgrad.py \
+      -p no:cacheprovider --tb=short 2>&1 | quiet | tee "$OUT/grouped_gpu_tests.log" | tail -3
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 130 $PY experiments/benchmarks/gemm.py --suites wgrad --quick \
+      --out "$OUT/gemm_wgrad_quick_$(card_name).json" 2>&1 | quiet | tee "$OUT/gemm_wgrad_quick.log" | grep -E "^ours|^transposed|rror"
+    timeout 130 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_$(card_name).json" 2>&1 | quiet \
+      | tee "$OUT/gemm_decode.log" | grep -E "^ours|rror" ;;
   flash_dq)  # (~3 min) the backward's dq kernel at 64- and 128-key steps (FlashConfig.bwd_dq_keys) beside cuDNN, T = 4k / 16k
     timeout 400 $PY experiments/benchmarks/attention.py --skip decode --lengths 4096,16384 --bwd-dq-keys 64,128 \
         --out "$OUT/attention_dq_variants_h200.json" 2>&1 | quiet | grep -E "^train" ;;
