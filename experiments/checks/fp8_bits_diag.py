@@ -1,7 +1,7 @@
 """Where does an fp8_block rollout stop giving the trainer's bits? (GPU; one variant per process.)
 
-Runs the embedded engine on a Qwen3-30B-A3B-shaped slice (hidden 2048, 32/4 heads of 128, 128 experts of 768 top-8,
-layer 1 dense), then the trainer's recomputation of the same tokens (one row per forward and all rows in one), and
+Runs the embedded engine on the Qwen3-30B-A3B-shaped slice of `experiments/benchmarks/train_step_long.py` (hidden 2048,
+32/4 heads of 128, 128 experts of 768 top-8, layer 1 dense; attention "auto": the flash kernels on Hopper), then the trainer's recomputation of the same tokens (one row per forward and all rows in one), and
 prints the fraction of bit-identical response log-probs and each row's first differing step (step 0 is the prefill's
 logits, later steps the decode loop's). A variant forces one FP8 piece onto the XLA block math, for both sides:
 
@@ -20,6 +20,8 @@ Traced programs keep the form they were traced with, so each variant needs a pro
 from __future__ import annotations
 
 import argparse
+import os
+import runpy
 import time
 
 import numpy as np
@@ -45,6 +47,13 @@ def force_xla(variant: str) -> None:
         operands.fp8_weight = lambda w, backend=None: weight(w, "xla")
 
 
+def _slice_shapes() -> dict:
+    """The Qwen3-30B-A3B-shaped slice and its small twin as the long-sequence benchmark defines them (one definition)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "train_step_long.py")
+    shapes = runpy.run_path(path)
+    return {"SLICE": shapes["SLICE"], "TINY": shapes["TINY"]}
+
+
 def main(argv=None) -> int:
     """Exit status 0 when every comparison is bit-identical, 1 otherwise."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,8 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64, help="response tokens per row (EOS ignored)")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the slice")
     ap.add_argument("--small", action="store_true",
-                    help="a small slice instead (hidden 128, 2/1 heads of 64, 8 experts of 128 top-2, vocab 512; every "
-                         "projection a multiple of 128, so the kernels take it): runs on CPU in seconds (the tests)")
+                    help="train_step_long's small slice instead (hidden 128, 4/2 heads of 64, 8 experts of 128 top-2, "
+                         "vocab 512; every projection a multiple of 128, so the kernels take it): runs on CPU in seconds")
     args = ap.parse_args(argv)
     force_xla(args.variant)
 
@@ -66,15 +75,8 @@ def main(argv=None) -> int:
     from jaxrl_fp8.rollout.embedded import EmbeddedEngine
     from jaxrl_fp8.rollout.types import SamplingParams
 
-    if args.small:
-        cfg = tiny_config(vocab_size=512, hidden_size=128, num_hidden_layers=args.layers, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=64, intermediate_size=256, moe_intermediate_size=128,
-                          num_experts=8, num_experts_per_tok=2)
-    else:
-        cfg = tiny_config(vocab_size=151936, hidden_size=2048, num_hidden_layers=args.layers, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
-                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6,
-                          max_position_embeddings=40960, attention_impl="flash")
+    shapes = _slice_shapes()["TINY" if args.small else "SLICE"]
+    cfg = tiny_config(**{**shapes, "num_hidden_layers": args.layers, "attention_impl": "auto"})
     policy = random_policy(cfg, seed=7, dtype="bfloat16", recipe=get_recipe(args.recipe))
     engine = EmbeddedEngine(policy, max_batch=args.rows, max_seq_len=args.prompt + args.new)
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (args.rows, args.prompt)).tolist()

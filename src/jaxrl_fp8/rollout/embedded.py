@@ -6,8 +6,8 @@ gets there by construction, not by tolerance:
 
 - the forward is `model.Qwen3` itself under the recipe's ROLLOUT `PrecisionPolicy` (same `ops`, same
   contract functions); weights are prepared once per version into exactly the operands the trainer's ops
-  build on the fly (`ops.backends.fp8_weight_operands` for fp8-block, on the trainer's backend; `quantize_weight` for MXFP8/NVFP4, a BF16
-  cast for bf16), or are the `QuantizedWeight`s of an FP8 checkpoint;
+  build on the fly (`ops.backends.fp8_weight_operands` for fp8-block, on the trainer's backend;
+  `quantize_weight` for MXFP8/NVFP4, a BF16 cast for bf16), or are the `QuantizedWeight`s of an FP8 checkpoint;
 - prompts are RIGHT-padded, so a token's rotary position is its cache slot; the model's reductions and
   attention are row invariant (`model.numerics`; `model.attention` "exact" or the "flash" kernels, whose key
   blocks are the cache's pages), so decoding token t gives the bits the trainer's full forward gives at t,
