@@ -17,8 +17,9 @@ a dynamic-length pipeline. Same bits as the persistent kernel.
 
 `grouped_wgrad_bf16(dy, x, ...)` (the BF16 recipes' and the high-precision backward's wgrad) is the same persistent
 kernel on BF16 operands read in place from dy [M, N] / x [M, K] (16-bit wgmma takes MN-major operands, so no
-transposed copy), each 128-row block in two 64-row ring steps chained into one accumulator, the same edge copies. `grouped_wgrad_bf16_gather` is its gather-scheme oracle (item-major copies of both
-operands, the BF16 grouped kernel's tile routine): same bits.
+transposed copy), each 128-row block in two 64-row ring steps chained into one accumulator, the same edge copies.
+`grouped_wgrad_bf16_gather` is its gather-scheme oracle (item-major copies of both operands, the BF16 grouped kernel's
+tile routine): same bits.
 """
 
 from __future__ import annotations
@@ -506,7 +507,9 @@ def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool =
     cfg = config or DEFAULT_WGRAD_CONFIG
     cfg.check(where)
     mp = -(-m // BLOCK_K) * BLOCK_K  # whole blocks for TMA (a copy only when M is not a multiple of 128)
-    dy, x = (jnp.pad(a.astype(jnp.bfloat16), [(0, mp - m), (0, 0)]) if mp != m else a.astype(jnp.bfloat16) for a in (dy, x))
+    dy, x = (a.astype(jnp.bfloat16) for a in (dy, x))
+    if mp != m:
+        dy, x = (jnp.pad(a, [(0, mp - m), (0, 0)]) for a in (dy, x))
     table, items, edge_items = expert_table(group_sizes, m, num_groups)
     mask_a = cfg.mask == "a" or (cfg.mask == "auto" and n <= k)
     edge = edge_blocks(dy if mask_a else x, items, edge_items, m_axis=0)

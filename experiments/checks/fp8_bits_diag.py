@@ -1,9 +1,10 @@
 """Where does an fp8_block rollout stop giving the trainer's bits? (GPU; one variant per process.)
 
-Runs the embedded engine on the Qwen3-30B-A3B-shaped slice of `experiments/benchmarks/train_step_long.py` (hidden 2048,
-32/4 heads of 128, 128 experts of 768 top-8, layer 1 dense; attention "auto": the flash kernels on Hopper), then the trainer's recomputation of the same tokens (one row per forward and all rows in one), and
-prints the fraction of bit-identical response log-probs and each row's first differing step (step 0 is the prefill's
-logits, later steps the decode loop's). A variant forces one FP8 piece onto the XLA block math, for both sides:
+Runs the embedded engine on the Qwen3-30B-A3B-shaped slice of `experiments/benchmarks/train_step_long.py`
+(hidden 2048, 32/4 heads of 128, 128 experts of 768 top-8, layer 1 dense; attention "auto": flash on Hopper), then
+the trainer's recomputation of the same tokens (one row per forward and all rows in one), and prints the fraction of
+bit-identical response log-probs and each row's first differing step (step 0 is the prefill's logits, later steps the
+decode loop's). A variant forces one FP8 piece onto the XLA block math, for both sides:
 
     default      as shipped (Mosaic kernels on Hopper)
     grouped_xla  the grouped (expert) FP8 GEMMs
