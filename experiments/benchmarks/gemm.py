@@ -198,15 +198,14 @@ def moe_decode_suite(copy_tbps):
                            fraction_of_copy=nbytes / t[0] / 1e12 / copy_tbps if copy_tbps else None)
                 try_run(f"ours_grouped_fp8 {label} {cfg}", one)
 
-            for bcfg in (GB.Bf16GroupedConfig(),):
-                def bf16(bcfg=bcfg):
-                    f = jax.jit(functools.partial(GB.grouped_matmul, out_dtype=jnp.bfloat16, config=bcfg))
-                    t = bench(f, x16, w16, sizes)
-                    nbytes = touched * n * k * 2
-                    record(f"ours_grouped_bf16 {label}" + ("" if bcfg == GB.Bf16GroupedConfig() else f" s{bcfg.max_concurrent_steps}"),
-                           (m, n, k, e), flops, t, config=str(bcfg), weight_bytes=nbytes, tb_per_s=nbytes / t[0] / 1e12,
-                           fraction_of_copy=nbytes / t[0] / 1e12 / copy_tbps if copy_tbps else None)
-                try_run(f"ours_grouped_bf16 {label} {bcfg}", bf16)
+            def bf16():
+                f = jax.jit(functools.partial(GB.grouped_matmul, out_dtype=jnp.bfloat16))
+                t = bench(f, x16, w16, sizes)
+                nbytes = touched * n * k * 2
+                record(f"ours_grouped_bf16 {label}", (m, n, k, e), flops, t, config=str(GB.Bf16GroupedConfig()),
+                       weight_bytes=nbytes, tb_per_s=nbytes / t[0] / 1e12,
+                       fraction_of_copy=nbytes / t[0] / 1e12 / copy_tbps if copy_tbps else None)
+            try_run(f"ours_grouped_bf16 {label}", bf16)
 
 
 WGRAD_CONFIGS = None  # filled in main(): the persistent kernel's candidate tilings, default first
