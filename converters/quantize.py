@@ -30,6 +30,7 @@ from jaxrl_fp8.precision import (
     quantize_fp8_per_tensor,
     quantize_weight,
 )
+from jaxrl_fp8.ops.backends import backend_of_array, fp8_weight_operands
 from jaxrl_fp8.precision import names as N
 
 from converters.spec import QuantSpec
@@ -112,12 +113,12 @@ def pair_global_amax(a, b) -> jax.Array:
     return jnp.maximum(_amax(jnp.asarray(a)), _amax(jnp.asarray(b)))
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "strategy", "block_size", "pow2_scale", "four_over_six"))
-def _quantize(w, global_amax, *, fmt, strategy, block_size, pow2_scale, four_over_six):
+@functools.partial(jax.jit, static_argnames=("fmt", "strategy", "block_size", "pow2_scale", "four_over_six", "backend"))
+def _quantize(w, global_amax, *, fmt, strategy, block_size, pow2_scale, four_over_six, backend):
     if fmt == FP8_BLOCK:
         if strategy == "block" and tuple(block_size) == (128, 128):
-            qw = quantize_weight(w, FP8_BLOCK, pow2_scale=pow2_scale)  # the trainer's entry point
-            return qw.data, qw.scale
+            # the trainer's maker of GEMM operands, on the backend it would pick (the Pallas kernel on Hopper)
+            return fp8_weight_operands(w, backend, pow2_scale=pow2_scale)
         if strategy == "block":
             return quantize_fp8_per_block(w, block_size, pow2_scale=pow2_scale)
         if strategy == "channel":
@@ -159,14 +160,16 @@ def quantize_hf_tensor(hf_name: str, w, spec: QuantSpec, fmt: str, *, global_ama
         global_amax = None
     elif global_amax is not None:
         global_amax = jnp.asarray(global_amax, jnp.float32)
+    w = jnp.asarray(w)
     out = _quantize(
-        jnp.asarray(w),
+        w,
         global_amax,
         fmt=fmt,
         strategy=spec.strategy,
         block_size=tuple(spec.block_size),
         pow2_scale=spec.pow2_scale,
         four_over_six=spec.four_over_six,
+        backend=backend_of_array(w),
     )
     return [(name, np.array(a)) for name, a in zip(output_names(hf_name, spec, fmt), out)]
 

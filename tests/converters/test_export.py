@@ -58,7 +58,7 @@ def test_export_equals_cli(request, convert, tmp_path, name, fmt):
 
 def test_export_from_recipe_uses_rollout_side(ckpt128, convert):
     """A Recipe exports its rollout format with its options (pow2 scales here)."""
-    recipe = get_recipe("fp8_block", pow2_scale=True)
+    recipe = get_recipe("bf16_train_fp8_rollout", pow2_scale=True)
     policy = build_policy(FP8_BLOCK, _config(ckpt128))
     params = trainer_params(load_all(ckpt128))
     assert_same_tensors(_exported(params, recipe, policy.with_format("bf16")), load_all(convert(ckpt128, "hf_to_fp8", "--pow2-scale")))

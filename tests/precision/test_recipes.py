@@ -33,6 +33,13 @@ def test_backward_modes_and_master_dtype():
         Recipe("r", "fp4", "bf16")
 
 
+def test_pow2_scales_only_where_the_trainer_runs_bf16():
+    """The trainer's fp8-block GEMMs quantize with exact scales; power-of-two rollout scales would be a mismatch."""
+    assert get_recipe("bf16_train_fp8_rollout", pow2_scale=True).pow2_scale
+    with pytest.raises(ValueError, match="pow2_scale with train_format=fp8-block"):
+        get_recipe("fp8_block", pow2_scale=True)
+
+
 def test_hardware_table():
     fp8 = get_recipe("fp8_block")
     assert fp8.validate_for("hopper") is fp8 and fp8.validate_for("cpu") is fp8

@@ -104,14 +104,22 @@ def _kernel_scale_operand(scale, n: int, k: int, backend: str):
     return gemm_grouped.weight_scale_operand(scale) if scale.ndim == 3 else gemm_dense.weight_scale_operand(scale, n, k)
 
 
-def fp8_weight_operands(w, backend: str | None = None):
+def fp8_weight_operands(w, backend: str | None = None, *, pow2_scale: bool = False):
     """(q, 128x128 scale_inv) of `w` [..., N, K] quantized where `ops` would quantize it for a GEMM of its shape: the
     Pallas kernel on the Mosaic backend, the contract's jnp function elsewhere. Whoever hands fp8-block operands to
     a GEMM (the trainer's prepared weights, the rollout engine's weights) must make them here: on the GPU the XLA
     fusion of the contract is not bitwise equal to the kernel for every BF16 input (decision record 0001), and the
-    trainer's forward quantizes on the kernel."""
+    trainer's forward quantizes on the kernel. The SGLang export makes them here too (`backend_of_array`)."""
     n, k = w.shape[-2:] if isinstance(w, QuantizedWeight) else jax.numpy.shape(w)[-2:]
-    return operands.fp8_weight(w, resolve(backend, F.FP8_BLOCK, n, k))
+    return operands.fp8_weight(w, resolve(backend, F.FP8_BLOCK, n, k), pow2_scale=pow2_scale)
+
+
+def backend_of_array(x) -> str | None:
+    """The backend for quantizing a committed array where it lives: None (auto, the trainer's choice) on a GPU, "xla"
+    anywhere else. Auto alone looks at the first device, which is the GPU even for an array put on the CPU (the
+    converters' CPU path on a GPU host)."""
+    devices = x.devices() if isinstance(x, jax.Array) else ()
+    return None if devices and all(d.platform == "gpu" for d in devices) else "xla"
 
 
 def prepare_fp8_weight(w, backend: str | None = None, *, dgrad: bool = False):

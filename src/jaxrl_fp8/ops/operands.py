@@ -110,8 +110,10 @@ def fp8_act_transposed(x, backend: str | None = None):
     return fp8_act(xp.T, backend)
 
 
-def fp8_weight(w, backend: str | None = None):
-    """(q, 128x128 scale_inv) of a master weight, a PreparedWeight or an fp8-block QuantizedWeight."""
+def fp8_weight(w, backend: str | None = None, *, pow2_scale: bool = False):
+    """(q, 128x128 scale_inv) of a master weight, a PreparedWeight or an fp8-block QuantizedWeight.
+    pow2_scale: scales rounded up to powers of two (a rollout-only option of the export; the trainer's GEMMs never
+    ask for it, and a recipe whose trainer runs fp8-block refuses it)."""
     if isinstance(w, PreparedWeight):
         return w.q, w.scale
     if isinstance(w, QuantizedWeight):
@@ -121,8 +123,8 @@ def fp8_weight(w, backend: str | None = None):
     if _use_kernel(w, backend):
         from pallas_kernels import quantize as K
 
-        return K.fp8_per_block(w, F.FP8_BLOCK_WEIGHT)
-    return quantize_fp8_per_block(w, F.FP8_BLOCK_WEIGHT)
+        return K.fp8_per_block(w, F.FP8_BLOCK_WEIGHT, pow2_scale=pow2_scale)
+    return quantize_fp8_per_block(w, F.FP8_BLOCK_WEIGHT, pow2_scale=pow2_scale)
 
 
 def weight_scale_operand(w, *, transposed: bool = False):

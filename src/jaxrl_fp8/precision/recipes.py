@@ -51,7 +51,7 @@ class Recipe:
     backward: str = "high_precision"
     master_dtype: str = "float32"
     emulate: bool = False  # allow MXFP8/NVFP4 where not native: quantize -> dequantize -> BF16 GEMM
-    pow2_scale: bool = False  # FP8 block scales rounded up to powers of two (Blackwell-style); opt-in
+    pow2_scale: bool = False  # rollout's FP8 block scales rounded up to powers of two (SGLang ue8m0); BF16 trainers only
     four_over_six: bool = False  # NVFP4: per block map max to 4 or 6, whichever errs less
 
     def __post_init__(self):
@@ -72,6 +72,12 @@ class Recipe:
             )
         if self.master_dtype not in MASTER_DTYPES:
             raise ValueError(f"recipe {self.name!r}: master_dtype={self.master_dtype!r}; master weights are kept in {MASTER_DTYPES}")
+        if self.pow2_scale and self.train_format == FP8_BLOCK:
+            raise ValueError(
+                f"recipe {self.name!r}: pow2_scale with train_format={FP8_BLOCK}: the trainer's FP8 GEMMs quantize with "
+                "exact block scales, so power-of-two rollout scales would make sampler and learner disagree; use it "
+                "with a BF16 training forward (e.g. bf16_train_fp8_rollout) or drop it"
+            )
         if self.four_over_six and NVFP4 not in (self.rollout_format, self.train_format):
             raise ValueError(f"recipe {self.name!r}: four_over_six applies to NVFP4 only")
 
