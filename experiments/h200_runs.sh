@@ -44,6 +44,7 @@
 #                                            # moved to the trainer's quantizer), the BF16 kernels' GPU bit tests (one
 #                                            # wgmma in flight; the wgrad reading dy / x in place), the wgrad suite (BF16
 #                                            # against transposed_ragged_dot_mgpu), the decode suite (BF16 ring)
+#   bash experiments/h200_runs.sh chains     # (~5 min) FP8 grouped forward / wgrad promotion chains: bit tests + timings
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
 #   bash experiments/h200_runs.sh profile [DEADLINE_S]  # (~5-6 min of the 570 s default) where the time of one decode
@@ -229,6 +230,13 @@ case "${1:-}" in
       --out "$OUT/gemm_wgrad_quick_$(card_name).json" 2>&1 | quiet | tee "$OUT/gemm_wgrad_quick.log" | grep -E "^ours|^transposed|rror"
     timeout 130 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_$(card_name).json" 2>&1 | quiet \
       | tee "$OUT/gemm_decode.log" | grep -E "^ours|rror" ;;
+  chains)  # (~5 min) promotion chains (each K block promoted under the next one's wgmma) in the FP8 grouped forward and
+           # weight gradient: their GPU bit tests, then the grouped forward (chains 1 / 4 / 8 / 2) and the wgrad suite
+           # (chains 1 / 4 / 8 beside transposed_ragged_dot_mgpu, our BF16 wgrad) on the MoE shapes
+    timeout 150 $PY -m pytest -q -m gpu tests/pallas_kernels/test_gemm_grouped.py tests/pallas_kernels/test_gemm_grouped_wgrad.py \
+      -k "moe_shapes" -p no:cacheprovider --tb=short 2>&1 | quiet | tee "$OUT/chains_gpu_tests.log" | tail -3
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 220 $PY experiments/benchmarks/gemm.py --suites grouped,wgrad --quick \
+      --out "$OUT/gemm_chains_$(card_name).json" 2>&1 | quiet | tee "$OUT/gemm_chains.log" | grep -E "^ours|^transposed|rror" ;;
   flash_dq)  # (~3 min) the backward's dq kernel at 64- and 128-key steps (FlashConfig.bwd_dq_keys) beside cuDNN, T = 4k / 16k
     timeout 400 $PY experiments/benchmarks/attention.py --skip decode --lengths 4096,16384 --bwd-dq-keys 64,128 \
         --out "$OUT/attention_dq_variants_h200.json" 2>&1 | quiet | grep -E "^train" ;;

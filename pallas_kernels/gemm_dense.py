@@ -39,7 +39,9 @@ class GemmConfig:
     """Tiling of one kernel launch (see docs/decisions/0002-gemm-tiling.md).
 
     k_blocks_per_step: 128-wide K blocks per pipeline step (1 or 2). With 2, each compute warpgroup issues the
-      second block's wgmma before it promotes the first, so that promotion runs under the tensor core's work.
+      second block's wgmma before it promotes the first, so that promotion runs under the tensor core's work. The
+      grouped kernels (one TMA buffer per block) read it as the length of a promotion chain, 1, 2, 4 or 8, for any K
+      (`tma_ring.promoted_blocks`).
     """
 
     tile_m: int = 64  # rows per compute warpgroup; the CTA tile is 2 * tile_m rows
@@ -63,9 +65,18 @@ class GemmConfig:
     def cta_n(self) -> int:
         return self.tile_n if self.split == "rows" else 2 * self.tile_n
 
-    def check(self, k: int, where: str) -> None:
+    def check(self, k: int, where: str, *, ring: bool = False) -> None:
+        """ring: the grouped kernels' TMA ring, where k_blocks_per_step is a promotion chain of any length in
+        `tma_ring.CHAIN_LENGTHS` and K need not be a multiple of it."""
         if self.split not in ("rows", "cols"):
             raise ValueError(f"{where}: split must be 'rows' or 'cols'; got {self.split!r}")
+        if ring:
+            from pallas_kernels.tma_ring import CHAIN_LENGTHS
+
+            if self.k_blocks_per_step not in CHAIN_LENGTHS:
+                raise ValueError(f"{where}: k_blocks_per_step (promotion chain) must be one of {CHAIN_LENGTHS}; "
+                                 f"got {self.k_blocks_per_step}")
+            return
         if self.k_blocks_per_step not in (1, 2):
             raise ValueError(f"{where}: k_blocks_per_step must be 1 or 2; got {self.k_blocks_per_step}")
         if k % (BLOCK_K * self.k_blocks_per_step):

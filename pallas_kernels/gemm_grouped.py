@@ -203,7 +203,6 @@ def _grouped_kernel(items_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, *, cfg
                 plgpu.barrier_arrive(empty.at[slot])
                 return acc + partial * lax.broadcast_in_dim(s, (tm, tn), [0])
 
-            # k_blocks_per_step 2: K is a multiple of 256 (GemmConfig.check), so no block runs alone
             return tma_ring.promoted_blocks(n, zero_acc(tm, tn), it, full=full, stages=stages,
                                             blocks_per_step=cfg.k_blocks_per_step, acc_shape=(tm, tn), mma=mma,
                                             promote=promote)
@@ -244,7 +243,7 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_
     if group_sizes.shape != (e,):
         raise ValueError(f"gemm_grouped: group_sizes must be [{e}]; got {group_sizes.shape}")
     cfg = config or DEFAULT_CONFIG
-    cfg.check(k, "gemm_grouped.grouped_block_scaled_matmul")
+    cfg.check(k, "gemm_grouped.grouped_block_scaled_matmul", ring=True)
     if not uses_row_scales(cfg, 128):
         raise ValueError(f"gemm_grouped: config {cfg} is not one this kernel runs (tile_n must be 128)")
     if n % cfg.cta_n:

@@ -162,17 +162,22 @@ class WgradConfig:
       (the one with fewer rows, so the edge array is smallest). Either gives the same bits (a foreign row
       contributes an exact zero product either way).
     k_fastest: walk an expert's output tiles along K (columns) first; else along N.
+    blocks_per_step: the FP8 kernel's promotion chain (`tma_ring.promoted_blocks`: 1, 2, 4 or 8 blocks, each
+      promoted under the next one's wgmma; same bits). The BF16 kernel always chains its steps into one accumulator.
     """
 
     stages: int = 4
     mask: str = "auto"
     k_fastest: bool = True
+    blocks_per_step: int = 1
 
     def check(self, where: str) -> None:
         if not 2 <= self.stages <= 4:
             raise ValueError(f"{where}: stages must be 2, 3 or 4 (shared memory); got {self.stages}")
         if self.mask not in ("a", "b", "auto"):
             raise ValueError(f"{where}: mask must be 'a', 'b' or 'auto'; got {self.mask!r}")
+        if self.blocks_per_step not in tma_ring.CHAIN_LENGTHS:
+            raise ValueError(f"{where}: blocks_per_step must be one of {tma_ring.CHAIN_LENGTHS}; got {self.blocks_per_step}")
 
 
 DEFAULT_WGRAD_CONFIG = WgradConfig()
@@ -362,7 +367,7 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
 
             def run_tile(count, it):
                 return tma_ring.promoted_blocks(count, zero_acc(tm, TILE), it, full=full, stages=stages,
-                                                blocks_per_step=1, acc_shape=(tm, TILE), mma=mma,
+                                                blocks_per_step=cfg.blocks_per_step, acc_shape=(tm, TILE), mma=mma,
                                                 promote=promote)
 
             _consume_tiles(table_gmem, o_gmem, out_smem, coords, per_expert, run_tile, wg)

@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["barriers", "chained_steps", "produce", "promoted_blocks", "slot", "warp_specialized"]
+__all__ = ["CHAIN_LENGTHS", "barriers", "chained_steps", "produce", "promoted_blocks", "slot", "warp_specialized"]
 
 
 def barriers(stages: int, loads_per_step: int):
@@ -105,35 +105,42 @@ def chained_steps(acc_ref, n, it, *, full, empty, stages: int, mma):
 def promoted_blocks(n, acc, it, *, full, stages: int, blocks_per_step: int, acc_shape, mma, promote):
     """n block-scaled K blocks from ring position `it` added to the float32 `acc` in order: per block mma(acc_ref,
     slot) into a fresh accumulator, then promote(acc, acc_ref, slot, wait_n) (waits for that wgmma, adds its scaled
-    product, frees the slot). With blocks_per_step 2 the second block's wgmma is issued before the first's promotion,
-    so that promotion runs under the tensor core's work; promotions keep block order (the same bits) and an odd last
-    block runs alone. Returns (acc, ring position)."""
+    product, frees the slot). Returns (acc, ring position).
 
-    def one_block(_, carry):
-        acc, it = carry
-        s = slot(it, stages)
-        plgpu.barrier_wait(full.at[s])
+    The blocks run in chains of `blocks_per_step` (1, 2, 4 or 8): inside a chain block i+1's wgmma is issued before
+    block i is promoted, so every promotion but the chain's last runs under the tensor core's work (a warpgroup holds
+    two ring buffers at a time). The run's last n % blocks_per_step blocks run in shorter chains (its binary digits).
+    Same wgmmas, promotions in block order: the same bits for every chain length."""
+    if blocks_per_step not in CHAIN_LENGTHS:
+        raise ValueError(f"tma_ring.promoted_blocks: blocks_per_step must be one of {CHAIN_LENGTHS}; got {blocks_per_step}")
 
-        def scope(acc_ref):
-            mma(acc_ref, s)
-            return promote(acc, acc_ref, s, 0)
+    def chain(length):
+        def link(i, out, prev, it):
+            """Block i of the chain into a fresh accumulator (nested scopes: an accumulator lives from its wgmma to
+            its promotion, at most two at a time)."""
+            def scope(cur):
+                s = slot(it + i, stages)
+                plgpu.barrier_wait(full.at[s])
+                mma(cur, s)
+                res = out if prev is None else promote(out, prev, slot(it + i - 1, stages), 1)
+                if i == length - 1:
+                    return promote(res, cur, s, 0)
+                return link(i + 1, res, cur, it)
 
-        return pl.run_scoped(scope, plgpu.ACC(acc_shape, jnp.float32)), it + 1
+            return pl.run_scoped(scope, plgpu.ACC(acc_shape, jnp.float32))
 
-    def two_blocks(_, carry):
-        acc, it = carry
-        s0, s1 = slot(it, stages), slot(it + 1, stages)
-        plgpu.barrier_wait(full.at[s0])
-        plgpu.barrier_wait(full.at[s1])
+        def body(_, carry):
+            acc, it = carry
+            return link(0, acc, None, it), it + length
 
-        def scope(acc0, acc1):
-            mma(acc0, s0)
-            mma(acc1, s1)
-            return promote(promote(acc, acc0, s0, 1), acc1, s1, 0)
+        return body
 
-        return pl.run_scoped(scope, plgpu.ACC(acc_shape, jnp.float32), plgpu.ACC(acc_shape, jnp.float32)), it + 2
+    carry = lax.fori_loop(0, lax.div(n, blocks_per_step), chain(blocks_per_step), (acc, it))
+    length = blocks_per_step // 2
+    while length:  # the remainder's binary digits, longest chain first
+        carry = lax.fori_loop(0, lax.rem(lax.div(n, length), 2), chain(length), carry)
+        length //= 2
+    return carry
 
-    if blocks_per_step == 2:
-        acc, it = lax.fori_loop(0, lax.div(n, 2), two_blocks, (acc, it))
-        return lax.fori_loop(0, lax.rem(n, 2), one_block, (acc, it))
-    return lax.fori_loop(0, n, one_block, (acc, it))
+
+CHAIN_LENGTHS = (1, 2, 4, 8)

@@ -8,7 +8,7 @@ process); a device-to-device copy for the bandwidth ceiling. Correctness of ever
 checked against a float64 block-math reference on a slice of rows. Prints a table, writes JSON.
 
     PYTHONPATH=src:. python3 experiments/benchmarks/gemm.py --out results/gemm_h200.json [--quick]
-        [--suites dense,moe,decode,linear,wgrad,torch] [--baseline path/to/previous/gemm_dense.py]
+        [--suites dense,moe,grouped,decode,linear,wgrad,torch] [--baseline path/to/previous/gemm_dense.py]
 
 `--baseline` times a previous version of the dense kernel module (same API) in the same run, so a change's
 effect is measured against the same machine state.
@@ -141,16 +141,35 @@ def moe_suite(configs, quick):
                 record(f"ours_grouped_bf16 {name}", (m, n, k, e), flops, bench(f, x16, w16, sizes), config=str(bcfg))
             try_run(f"ours_grouped_bf16 {name} {bcfg}", ours_bf16)
         wgrad_suite(name, m, n, k, e, sizes, WGRAD_CONFIGS[:1] if quick else WGRAD_CONFIGS[:2])
-        xq, sa = quantize_fp8_per_token_group(x16, 128)
-        wq, sb = quantize_fp8_per_block(w16, (128, 128))
-        for cfg in configs:
-            def one(cfg=cfg):
-                f = jax.jit(functools.partial(gemm_grouped.grouped_block_scaled_matmul, out_dtype=jnp.bfloat16, config=cfg))
-                y = f(xq, sa, wq, sb, sizes)
-                s0 = int(sizes[0])
-                err = check_rows(y[:s0], xq[:s0], sa[:s0], wq[0], sb[0])
-                record(f"ours_grouped {name} {cfg_label(cfg)}", (m, n, k, e), flops, bench(f, xq, sa, wq, sb, sizes), err=f"relerr={err:.2e}", config=str(cfg))
-            try_run(f"ours_grouped {name} {cfg}", one)
+        grouped_fp8(name, m, n, k, e, sizes, configs)
+
+
+def grouped_fp8(name, m, n, k, e, sizes, configs):
+    """Our grouped FP8 forward under each config (default first) on one MoE shape; every config checked bitwise against
+    the first (a promotion chain or grid order must not change a row's bits) and against the block math on expert 0."""
+    flops = 2 * m * n * k
+    xq, sa = quantize_fp8_per_token_group(rand(3, (m, k), jnp.bfloat16), 128)
+    wq, sb = quantize_fp8_per_block(rand(4, (e, n, k), jnp.bfloat16, 0.05), (128, 128))
+    first = {}
+    for cfg in configs:
+        def one(cfg=cfg):
+            f = jax.jit(functools.partial(gemm_grouped.grouped_block_scaled_matmul, out_dtype=jnp.bfloat16, config=cfg))
+            y = f(xq, sa, wq, sb, sizes)
+            s0 = int(sizes[0])
+            err = check_rows(y[:s0], xq[:s0], sa[:s0], wq[0], sb[0])
+            y32 = gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, sizes, config=cfg)
+            same = bool(jnp.array_equal(jax.lax.bitcast_convert_type(y32, jnp.uint32),
+                                        jax.lax.bitcast_convert_type(first.setdefault("y", y32), jnp.uint32)))
+            record(f"ours_grouped {name} {cfg_label(cfg)}", (m, n, k, e), flops, bench(f, xq, sa, wq, sb, sizes),
+                   err=f"relerr={err:.2e}", config=str(cfg), bitwise_vs_first_config=same)
+        try_run(f"ours_grouped {name} {cfg}", one)
+    first.clear()
+
+
+def grouped_only_suite(configs):
+    e, m, sizes, shapes = moe_shapes()
+    for name, n, k in shapes:
+        grouped_fp8(name, m, n, k, e, sizes, configs)
 
 
 def decode_routing(tokens: int, e: int, k: int, seed: int = 0):
@@ -179,10 +198,11 @@ def moe_decode_suite(copy_tbps):
             wq, sb = quantize_fp8_per_block(w16, (128, 128))
             label = f"{name} decode {rows} rows"
             first = {}
-            # candidates beside the default: the narrow split; two K blocks a step (the promotion under the next
-            # wgmma). Deeper rings do not fit: 5 stages (or the narrow split's 4) exceed the 227 KB of shared memory
+            # candidates beside the default: the narrow split; promotion chains of 4 K blocks (each promoted under
+            # the next one's wgmma). Deeper rings do not fit: 5 stages (or the narrow split's 4) exceed the 227 KB of
+            # shared memory
             for cfg in (gemm_grouped.DEFAULT_CONFIG, gemm_grouped.NARROW_CONFIG,
-                        dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=2)):
+                        dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=4)):
                 def one(cfg=cfg):
                     # the weights' scales laid out once, as the engine's decode loop holds them (ops.PreparedWeight)
                     op = gemm_grouped.weight_scale_operand(sb, cfg)
@@ -288,7 +308,7 @@ def moe_shapes():
 def wgrad_only_suite(quick=False):
     e, m, sizes, shapes = moe_shapes()
     for name, n, k in shapes:
-        wgrad_suite(name, m, n, k, e, sizes, WGRAD_CONFIGS[:1] if quick else WGRAD_CONFIGS)
+        wgrad_suite(name, m, n, k, e, sizes, WGRAD_CONFIGS[:3] if quick else WGRAD_CONFIGS)
 
 
 DENSE_ANCHOR_SHAPES = [(8192, 8192, 8192, "8192^3"), (16384, 5120, 2048, "attn_qkv M16384"), (16384, 2048, 4096, "attn_o M16384")]
@@ -368,7 +388,8 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer variants (first device call)")
     p.add_argument("--suites", default="dense,moe,linear,torch",
-                   help="comma-separated subset of dense,moe,decode,linear,wgrad,torch (wgrad: the MoE weight gradients alone; "
+                   help="comma-separated subset of dense,moe,grouped,decode,linear,wgrad,torch (wgrad: the MoE weight gradients alone; "
+                        "grouped: our grouped FP8 forward alone, every promotion chain; "
                         "decode: the expert GEMMs of a decode step at 64 / 256 rows, both splits of the grouped kernel; "
                         "torch: torch_anchors.py next to our default kernels at the same shapes)")
     p.add_argument("--baseline", default=None, help="path of a previous gemm_dense.py to time in the same run")
@@ -376,7 +397,9 @@ def main(argv=None):
     suites = set(args.suites.split(","))
     global WGRAD_CONFIGS
     from pallas_kernels.gemm_grouped_wgrad import WgradConfig
-    WGRAD_CONFIGS = [WgradConfig(), WgradConfig(k_fastest=False), WgradConfig(stages=3)]
+    # default first; promotion chains of 4 / 8 / 2 blocks (same bits); the N-first tile walk (won on down, H100)
+    WGRAD_CONFIGS = [WgradConfig(), WgradConfig(blocks_per_step=4), WgradConfig(blocks_per_step=8),
+                     WgradConfig(blocks_per_step=2), WgradConfig(k_fastest=False)]
     baseline = load_module(args.baseline) if args.baseline else None
     C = gemm_dense.GemmConfig
     default = gemm_dense.default_config(8192, 8192)
@@ -404,10 +427,14 @@ def main(argv=None):
             # decode: N / 128 tiles leave most SMs idle; 64-wide N tiles (column-scale mode) double the grid
             dense_suite(64, n, k, dense_cfgs[:2] + [C(64, 64, 4, 16, 0), C(64, 64, 2, 16, 0)], f"attn_{name} decode M64", baseline)
         save()
+    # the grouped default first; then promotion chains of 4, 8 and 2 K blocks on the same TMA ring (same bits)
+    grouped_cfgs = [gemm_grouped.DEFAULT_CONFIG] + [dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=c)
+                                                    for c in (4, 8, 2)]
     if "moe" in suites:
-        # the grouped default first; then two K blocks per step on the same TMA ring (same bits)
-        moe_suite([gemm_grouped.DEFAULT_CONFIG, dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=2)],
-                  args.quick)
+        moe_suite(grouped_cfgs[:2] if args.quick else grouped_cfgs, args.quick)
+        save()
+    if "grouped" in suites and "moe" not in suites:
+        grouped_only_suite(grouped_cfgs)
         save()
     if "wgrad" in suites and "moe" not in suites:
         wgrad_only_suite(args.quick)

@@ -91,7 +91,20 @@ def test_persistent_matches_gather_kernel_bitwise_and_float64(m, sizes, n, k):
 CONFIGS = [
     W.WgradConfig(stages=2, mask="b"),   # the shallowest ring; mask the other operand
     W.WgradConfig(stages=3, k_fastest=False, mask="a"),
+    W.WgradConfig(stages=2, blocks_per_step=4),  # promotion chains on the shallowest ring
 ]
+
+
+@pytest.mark.parametrize("chain", [2, 4, 8])
+def test_promotion_chains_same_bits(chain):
+    """Chains of blocks (block i promoted under block i+1's wgmma) on expert runs of 0-7 blocks, the remainders in
+    shorter chains: the one-block schedule's bits."""
+    m, sizes = 1600, [0, 300, 5, 395, 640, 1, 259]  # runs of 3, 1, 4, 5, 1, 3 blocks (shared ends), one empty
+    n, k, e = 128, 128, len(sizes)
+    dq, ds, xq, xs = _operands(11, m, n, k, pad_rows=False)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, e, interpret=True, config=W.WgradConfig(blocks_per_step=chain))
+    np.testing.assert_array_equal(_bits(got), _bits(W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, e, interpret=True)))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
@@ -236,6 +249,8 @@ def test_clear_errors():
         W.grouped_wgrad_fp8(dq.astype(jnp.float32), ds, xq, xs, gs, 1, interpret=True)
     with pytest.raises(ValueError, match="stages"):
         W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 1, interpret=True, config=W.WgradConfig(stages=5))
+    with pytest.raises(ValueError, match="blocks_per_step must be one of"):
+        W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 1, interpret=True, config=W.WgradConfig(blocks_per_step=3))
     dy, x = _bf16_operands(0, 64, 128, 128)
     with pytest.raises(ValueError, match="mask"):
         W.grouped_wgrad_bf16(dy, x, gs, 1, interpret=True, config=W.WgradConfig(mask="c"))
@@ -272,8 +287,8 @@ def test_gpu_moe_shapes(n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768)])
-@pytest.mark.parametrize("cfg", [W.WgradConfig(), W.WgradConfig(k_fastest=False), W.WgradConfig(stages=3, mask="a")],
-                         ids=str)
+@pytest.mark.parametrize("cfg", [W.WgradConfig(), W.WgradConfig(k_fastest=False), W.WgradConfig(stages=3, mask="a"),
+                                 W.WgradConfig(blocks_per_step=4)], ids=str)
 def test_gpu_persistent_moe_shapes_same_bits_as_gather_kernel(n, k, cfg):
     e, m = EXPERTS, ROWS
     sizes = ragged_sizes(n + 1)
