@@ -44,7 +44,6 @@
 #                                            # moved to the trainer's quantizer), the BF16 kernels' GPU bit tests (one
 #                                            # wgmma in flight; the wgrad reading dy / x in place), the wgrad suite (BF16
 #                                            # against transposed_ragged_dot_mgpu), the decode suite (BF16 ring)
-#   bash experiments/h200_runs.sh paged      # (~3 min) persistent paged attention: bit test + decode points vs the grid kernel
 #   bash experiments/h200_runs.sh chains     # (~5 min) FP8 grouped forward / wgrad promotion chains: bit tests + timings
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
@@ -231,12 +230,6 @@ case "${1:-}" in
       --out "$OUT/gemm_wgrad_quick_$(card_name).json" 2>&1 | quiet | tee "$OUT/gemm_wgrad_quick.log" | grep -E "^ours|^transposed|rror"
     timeout 130 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_$(card_name).json" 2>&1 | quiet \
       | tee "$OUT/gemm_decode.log" | grep -E "^ours|rror" ;;
-  paged)  # (~3 min) the persistent paged-attention schedule: its GPU bit test, then the decode points (batch 64 / 256,
-          # cache 1k / 4k / 16k) of the grid and the persistent kernel side by side -> $OUT/attention_decode_<card>.json
-    timeout 150 $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py -k "persistent or long_rows" -p no:cacheprovider \
-      --tb=short 2>&1 | quiet | tee "$OUT/paged_gpu_tests.log" | tail -3
-    timeout 240 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
-      --out "$OUT/attention_decode_$(card_name).json" 2>&1 | quiet | tee "$OUT/attention_decode.log" | grep -E "^decode|rror" ;;
   chains)  # (~5 min) promotion chains (each K block promoted under the next one's wgmma) in the FP8 grouped forward and
            # weight gradient: their GPU bit tests, then the grouped forward (chains 1 / 4 / 8 / 2) and the wgrad suite
            # (chains 1 / 4 / 8 beside transposed_ragged_dot_mgpu, our BF16 wgrad) on the MoE shapes

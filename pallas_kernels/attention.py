@@ -35,7 +35,7 @@ from jax import lax
 from pallas_kernels.attention_bwd import backward
 from pallas_kernels.attention_common import BLOCK_KV, BLOCK_Q, F32
 from pallas_kernels.attention_fwd import forward
-from pallas_kernels.attention_paged import paged_rows_attention, paged_rows_attention_persistent
+from pallas_kernels.attention_paged import paged_rows_attention
 
 __all__ = [
     "BLOCK_KV", "BLOCK_Q", "FlashConfig", "flash_attention", "paged_attention", "reference_attention",
@@ -50,7 +50,6 @@ class FlashConfig:
     fwd_stages: int = 2
     bwd_stages: int = 2
     paged_stages: int = 3
-    paged_persistent: bool = False  # paged attention on one program per SM with a page ring across its tiles (same bits)
     bwd_dq_keys: int = 128  # keys per step of the backward's dq kernel (128, or 64: 1-2 % slower on an H100; the gradients' bits depend on it)
 
 
@@ -176,9 +175,9 @@ def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float,
     token = jnp.minimum(jnp.arange(r) // g, tq - 1)
     row_pos, row_start = positions[:, token], starts[:, token]
     n_blocks = (row_pos.reshape(b, r // BLOCK_Q, BLOCK_Q).max(axis=2) // BLOCK_KV + 1).astype(jnp.int32)
-    kernel = paged_rows_attention_persistent if config.paged_persistent else paged_rows_attention
-    out = kernel(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, jnp.asarray(page_table, jnp.int32),
-                 scale=float(scale), stages=config.paged_stages, interpret=interpret)
+    out = paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
+                               jnp.asarray(page_table, jnp.int32), scale=float(scale), stages=config.paged_stages,
+                               interpret=interpret)
     return out[:, :, :rows].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, h, d)
 
 

@@ -1,8 +1,7 @@
 """Flash attention (pallas_kernels.attention) against cuDNN and the model's "xla" path, same run, one GPU.
 
 Causal forward and forward+backward TFLOP/s at T = 1k, 4k, 8k, 16k (Qwen3-30B-A3B heads: 32 query / 4 key-value
-heads of 128; batch chosen so each point holds 16k tokens), and the paged decode step time (the grid kernel and the
-persistent one, FlashConfig.paged_persistent, with their bits compared) at batch 1 / 64 / 256
+heads of 128; batch chosen so each point holds 16k tokens), and the paged decode step time at batch 1 / 64 / 256
 with cache lengths 1k-16k against the HBM roofline of the KV bytes it must read (the copy bandwidth measured in the
 same run). FLOPs count the causal half: fwd 2 * 2 * B * H * T^2 / 2 * D, fwd+bwd 3.5x that (the backward recomputes
 the scores). Writes a table and results/attention_<device>.json; a failing point (OOM, unsupported) is recorded.
@@ -97,24 +96,17 @@ def decode_points(batches, lengths, iters, copy_bps, results, out):
             table = jnp.asarray(np.random.default_rng(0).permutation(pool).reshape(b, n_pages), jnp.int32)
             q = jax.random.normal(ks[2], (b, 1, H, D), BF16)
             pos = jnp.full((b, 1), s - 1, jnp.int32)
-            outs = {}
-            for schedule, cfg in (("grid", A.FlashConfig()), ("persistent", A.FlashConfig(paged_persistent=True))):
-                f = jax.jit(lambda q, kp, vp, table, pos, cfg=cfg: A.paged_attention(q, kp, vp, table, pos, scale=D**-0.5,
-                                                                                     config=cfg))
-                r = _time(f, q, kp, vp, table, pos, iters=iters)
-                row = {"kind": "decode", "schedule": schedule, "batch": b, "cache_len": s, "kv_bytes": kv_bytes, **r}
-                if "median_s" in r:
-                    row["roofline_s"] = kv_bytes / copy_bps
-                    row["fraction_of_roofline"] = row["roofline_s"] / r["median_s"]
-                    # both schedules run the same per-row operations: their outputs must be the same bits
-                    outs[schedule] = f(q, kp, vp, table, pos)
-                    if len(outs) == 2:
-                        row["bitwise_equal_to_grid"] = bool(jnp.array_equal(*outs.values()))
-                results["points"].append(row)
-                print(f"decode {schedule:10s} B={b:4d} S={s:6d} {r.get('median_s', r.get('error'))} s  "
-                      f"roofline fraction {row.get('fraction_of_roofline')}", flush=True)
-                write_results(out, results)
-            del kp, vp, outs
+            f = jax.jit(lambda q, kp, vp, table, pos: A.paged_attention(q, kp, vp, table, pos, scale=D**-0.5))
+            r = _time(f, q, kp, vp, table, pos, iters=iters)
+            row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, **r}
+            if "median_s" in r:
+                row["roofline_s"] = kv_bytes / copy_bps
+                row["fraction_of_roofline"] = row["roofline_s"] / r["median_s"]
+            results["points"].append(row)
+            print(f"decode B={b:4d} S={s:6d} {r.get('median_s', r.get('error'))} s  "
+                  f"roofline fraction {row.get('fraction_of_roofline')}", flush=True)
+            write_results(out, results)
+            del kp, vp
 
 
 def copy_bandwidth() -> float:

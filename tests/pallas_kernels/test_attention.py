@@ -143,28 +143,6 @@ def test_each_decode_row_gets_the_bits_it_gets_alone():
     np.testing.assert_allclose(together, ref, atol=2e-2, rtol=2e-2)
 
 
-PERSISTENT = A.FlashConfig(paged_persistent=True)
-
-
-def test_persistent_paged_kernel_gives_the_grid_kernels_bits():
-    """The persistent schedule (a page ring across each program's tiles) runs every tile's operations in the same
-    order: decode rows of 1-4 pages x 2 key/value heads (10 tiles on 3 programs: q buffers and the ring reused
-    across tiles), and a prefill of 64 tokens (4 query tiles a head), each equal to the grid kernel bit for bit."""
-    b, t, h, hkv, d = 5, 400, 8, 2, 64
-    q, k, v = _qkv(b, t, h, hkv, d, seed=8)
-    kp, vp, table = _pages(k, v, 4, 24, seed=8)
-    pos = np.array([399, 5, 128, 255, 300])
-    qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
-    for cfg_stages in (2, 3):
-        run = lambda cfg, qq, pp: np.asarray(A.paged_attention(qq, kp, vp, table, pp, scale=d**-0.5, config=cfg,
-                                                               interpret=_interpret()).astype(jnp.float32))
-        grid = A.FlashConfig(paged_stages=cfg_stages)
-        persistent = A.FlashConfig(paged_stages=cfg_stages, paged_persistent=True)
-        np.testing.assert_array_equal(run(persistent, qd, jnp.asarray(pos)[:, None]), run(grid, qd, jnp.asarray(pos)[:, None]))
-    pre = jnp.broadcast_to(jnp.arange(200, 264, dtype=jnp.int32), (b, 64))
-    np.testing.assert_array_equal(run(PERSISTENT, q[:, 200:264], pre), run(A.FlashConfig(), q[:, 200:264], pre))
-
-
 @pytest.mark.row_invariant_cpu
 def test_prefill_and_batch_give_the_training_forward_bits():
     b, t, h, hkv, d = 2, 300, 8, 2, 64
@@ -209,26 +187,6 @@ def test_gpu_long_rows_bits_and_accuracy():
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
     alone = np.asarray(A.flash_attention(q[1:, :3000], k[1:, :3000], v[1:, :3000], scale=sc).astype(jnp.float32))
     np.testing.assert_array_equal(alone[0], full[1, :3000])
-
-
-@pytest.mark.gpu
-def test_gpu_persistent_paged_decode_bits():
-    """256 decode rows of 1-32 pages (Qwen3-30B-A3B heads) in a shuffled pool: the persistent schedule gives the grid
-    kernel's bits, and a row alone its bits in the batch."""
-    b, h, hkv, d, n_pages = 256, 32, 4, 128, 32
-    rng = np.random.default_rng(9)
-    pos = rng.integers(0, n_pages * A.BLOCK_KV, b).astype(np.int32)
-    pool = b * n_pages
-    table = jnp.asarray(rng.permutation(pool).reshape(b, n_pages), jnp.int32)
-    ks = jax.random.split(jax.random.key(9), 3)
-    kp = jax.random.normal(ks[0], (pool, A.BLOCK_KV, hkv, d)).astype(BF16)
-    vp = jax.random.normal(ks[1], (pool, A.BLOCK_KV, hkv, d)).astype(BF16)
-    qd = jax.random.normal(ks[2], (b, 1, h, d)).astype(BF16)
-    run = lambda cfg, rows: np.asarray(A.paged_attention(qd[rows], kp, vp, table[rows], jnp.asarray(pos[rows])[:, None],
-                                                         scale=d**-0.5, config=cfg).astype(jnp.float32))
-    grid = run(A.FlashConfig(), slice(None))
-    np.testing.assert_array_equal(run(PERSISTENT, slice(None)), grid)
-    np.testing.assert_array_equal(run(PERSISTENT, slice(7, 8))[0], grid[7])
 
 
 @pytest.mark.gpu
