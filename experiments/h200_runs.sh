@@ -230,9 +230,9 @@ case "${1:-}" in
       --out "$OUT/gemm_wgrad_quick_$(card_name).json" 2>&1 | quiet | tee "$OUT/gemm_wgrad_quick.log" | grep -E "^ours|^transposed|rror"
     timeout 130 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_$(card_name).json" 2>&1 | quiet \
       | tee "$OUT/gemm_decode.log" | grep -E "^ours|rror" ;;
-  chains)  # (~5 min) promotion chains (each K block promoted under the next one's wgmma) in the FP8 grouped forward and
-           # weight gradient: their GPU bit tests, then the grouped forward (chains 1 / 4 / 8 / 2) and the wgrad suite
-           # (chains 1 / 4 / 8 beside transposed_ragged_dot_mgpu, our BF16 wgrad) on the MoE shapes
+  chains)  # (~5 min) promotion chains (a K block promoted under the next one's wgmma) in the FP8 grouped forward and
+           # weight gradient: their GPU bit tests, then the grouped forward (chains of 2 / 1) and the wgrad suite
+           # (chains 1 / 2 beside transposed_ragged_dot_mgpu, our BF16 wgrad) on the MoE shapes
     timeout 150 $PY -m pytest -q -m gpu tests/pallas_kernels/test_gemm_grouped.py tests/pallas_kernels/test_gemm_grouped_wgrad.py \
       -k "moe_shapes" -p no:cacheprovider --tb=short 2>&1 | quiet | tee "$OUT/chains_gpu_tests.log" | tail -3
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 220 $PY experiments/benchmarks/gemm.py --suites grouped,wgrad --quick \

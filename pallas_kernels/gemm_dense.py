@@ -40,8 +40,7 @@ class GemmConfig:
 
     k_blocks_per_step: 128-wide K blocks per pipeline step (1 or 2). With 2, each compute warpgroup issues the
       second block's wgmma before it promotes the first, so that promotion runs under the tensor core's work. The
-      grouped kernels (one TMA buffer per block) read it as the length of a promotion chain, 1, 2, 4 or 8, for any K
-      (`tma_ring.promoted_blocks`).
+      grouped kernels (one TMA buffer per block, `tma_ring.promoted_blocks`) take 1 or 2 for any K.
     """
 
     tile_m: int = 64  # rows per compute warpgroup; the CTA tile is 2 * tile_m rows
@@ -66,8 +65,8 @@ class GemmConfig:
         return self.tile_n if self.split == "rows" else 2 * self.tile_n
 
     def check(self, k: int, where: str, *, ring: bool = False) -> None:
-        """ring: the grouped kernels' TMA ring, where k_blocks_per_step is a promotion chain of any length in
-        `tma_ring.CHAIN_LENGTHS` and K need not be a multiple of it."""
+        """ring: the grouped kernels' TMA ring, where k_blocks_per_step is a promotion chain (`tma_ring.CHAIN_LENGTHS`)
+        and K need not be a multiple of it."""
         if self.split not in ("rows", "cols"):
             raise ValueError(f"{where}: split must be 'rows' or 'cols'; got {self.split!r}")
         if ring:

@@ -40,11 +40,12 @@ from pallas_kernels.kernel_cache import traced_once
 # Rows of the work-item table (int32 [4, T]).
 GROUP, BLOCK, OFFSET, SIZE = range(4)
 
-# One K block per step and four stages for every shape: on the Qwen3-30B-A3B MoE shapes this beat the dense
-# kernel's deep-K choice (two blocks per step) for gate_up (K = 2048) in two of three H200 runs
-# (772 vs 742 and 820 vs 753 TFLOP/s; once equal, 792 vs 798), and it is what down (K = 768) always used. The
-# promotion order is the same, so the bits are too.
-DEFAULT_CONFIG = GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
+# Four stages; K blocks in promotion chains of two (the first block promoted under the second one's wgmma) for
+# every shape: on the Qwen3-30B-A3B MoE shapes (H100, results/gemm_chains_h100.json, one run) 865 / 777 TFLOP/s
+# (gate_up / down) against 836 / 751 for one block at a time, chains of 4 and 8 1.02-2.0x slower. (On the per-tile
+# pipeline this kernel had before the TMA ring, two blocks a step lost in two of three H200 runs.) The promotion
+# order is the same, so the bits are too.
+DEFAULT_CONFIG = GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0, k_blocks_per_step=2)
 # Groups of a few rows (MoE decode: 64 rows x top-8 over 128 experts is 4 rows an expert): 64-row blocks, each
 # compute warpgroup on its own 128 columns, so a CTA multiplies half the rows of a 128-row block for the same
 # weight bytes. Three stages: 40 KB each (A 64 x 128 + B 256 x 128 e4m3) beside the float32 staging tile (64 KB).

@@ -162,8 +162,8 @@ class WgradConfig:
       (the one with fewer rows, so the edge array is smallest). Either gives the same bits (a foreign row
       contributes an exact zero product either way).
     k_fastest: walk an expert's output tiles along K (columns) first; else along N.
-    blocks_per_step: the FP8 kernel's promotion chain (`tma_ring.promoted_blocks`: 1, 2, 4 or 8 blocks, each
-      promoted under the next one's wgmma; same bits). The BF16 kernel always chains its steps into one accumulator.
+    blocks_per_step: the FP8 kernel's promotion chain (`tma_ring.promoted_blocks`: 1, or 2 with the first block
+      promoted under the second one's wgmma; same bits). The BF16 kernel always chains its steps into one accumulator.
     """
 
     stages: int = 4

@@ -107,10 +107,10 @@ def promoted_blocks(n, acc, it, *, full, stages: int, blocks_per_step: int, acc_
     slot) into a fresh accumulator, then promote(acc, acc_ref, slot, wait_n) (waits for that wgmma, adds its scaled
     product, frees the slot). Returns (acc, ring position).
 
-    The blocks run in chains of `blocks_per_step` (1, 2, 4 or 8): inside a chain block i+1's wgmma is issued before
-    block i is promoted, so every promotion but the chain's last runs under the tensor core's work (a warpgroup holds
-    two ring buffers at a time). The run's last n % blocks_per_step blocks run in shorter chains (its binary digits).
-    Same wgmmas, promotions in block order: the same bits for every chain length."""
+    The blocks run in chains of `blocks_per_step` (1 or 2): in a chain of 2 the second block's wgmma is issued
+    before the first is promoted, so that promotion runs under the tensor core's work (a warpgroup holds two ring
+    buffers at a time); an odd last block runs alone. Same wgmmas, promotions in block order: the same bits. (Chains
+    of 4 and 8, the same code, measured 1.3-2.3x slower on an H100: results/gemm_chains_h100.json.)"""
     if blocks_per_step not in CHAIN_LENGTHS:
         raise ValueError(f"tma_ring.promoted_blocks: blocks_per_step must be one of {CHAIN_LENGTHS}; got {blocks_per_step}")
 
@@ -143,4 +143,4 @@ def promoted_blocks(n, acc, it, *, full, stages: int, blocks_per_step: int, acc_
     return carry
 
 
-CHAIN_LENGTHS = (1, 2, 4, 8)
+CHAIN_LENGTHS = (1, 2)

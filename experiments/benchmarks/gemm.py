@@ -198,11 +198,10 @@ def moe_decode_suite(copy_tbps):
             wq, sb = quantize_fp8_per_block(w16, (128, 128))
             label = f"{name} decode {rows} rows"
             first = {}
-            # candidates beside the default: the narrow split; promotion chains of 4 K blocks (each promoted under
-            # the next one's wgmma). Deeper rings do not fit: 5 stages (or the narrow split's 4) exceed the 227 KB of
-            # shared memory
+            # candidates beside the default (chains of 2 K blocks): the narrow split; one K block at a time. Deeper
+            # rings do not fit: 5 stages (or the narrow split's 4) exceed the 227 KB of shared memory
             for cfg in (gemm_grouped.DEFAULT_CONFIG, gemm_grouped.NARROW_CONFIG,
-                        dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=4)):
+                        dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=1)):
                 def one(cfg=cfg):
                     # the weights' scales laid out once, as the engine's decode loop holds them (ops.PreparedWeight)
                     op = gemm_grouped.weight_scale_operand(sb, cfg)
@@ -308,7 +307,7 @@ def moe_shapes():
 def wgrad_only_suite(quick=False):
     e, m, sizes, shapes = moe_shapes()
     for name, n, k in shapes:
-        wgrad_suite(name, m, n, k, e, sizes, WGRAD_CONFIGS[:3] if quick else WGRAD_CONFIGS)
+        wgrad_suite(name, m, n, k, e, sizes, WGRAD_CONFIGS[:2] if quick else WGRAD_CONFIGS)
 
 
 DENSE_ANCHOR_SHAPES = [(8192, 8192, 8192, "8192^3"), (16384, 5120, 2048, "attn_qkv M16384"), (16384, 2048, 4096, "attn_o M16384")]
@@ -389,7 +388,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer variants (first device call)")
     p.add_argument("--suites", default="dense,moe,linear,torch",
                    help="comma-separated subset of dense,moe,grouped,decode,linear,wgrad,torch (wgrad: the MoE weight gradients alone; "
-                        "grouped: our grouped FP8 forward alone, every promotion chain; "
+                        "grouped: our grouped FP8 forward alone, both promotion chains; "
                         "decode: the expert GEMMs of a decode step at 64 / 256 rows, both splits of the grouped kernel; "
                         "torch: torch_anchors.py next to our default kernels at the same shapes)")
     p.add_argument("--baseline", default=None, help="path of a previous gemm_dense.py to time in the same run")
@@ -397,9 +396,8 @@ def main(argv=None):
     suites = set(args.suites.split(","))
     global WGRAD_CONFIGS
     from pallas_kernels.gemm_grouped_wgrad import WgradConfig
-    # default first; promotion chains of 4 / 8 / 2 blocks (same bits); the N-first tile walk (won on down, H100)
-    WGRAD_CONFIGS = [WgradConfig(), WgradConfig(blocks_per_step=4), WgradConfig(blocks_per_step=8),
-                     WgradConfig(blocks_per_step=2), WgradConfig(k_fastest=False)]
+    # default first; promotion chains of 2 blocks (same bits); the N-first tile walk (won on down, H100)
+    WGRAD_CONFIGS = [WgradConfig(), WgradConfig(blocks_per_step=2), WgradConfig(k_fastest=False)]
     baseline = load_module(args.baseline) if args.baseline else None
     C = gemm_dense.GemmConfig
     default = gemm_dense.default_config(8192, 8192)
@@ -427,9 +425,8 @@ def main(argv=None):
             # decode: N / 128 tiles leave most SMs idle; 64-wide N tiles (column-scale mode) double the grid
             dense_suite(64, n, k, dense_cfgs[:2] + [C(64, 64, 4, 16, 0), C(64, 64, 2, 16, 0)], f"attn_{name} decode M64", baseline)
         save()
-    # the grouped default first; then promotion chains of 4, 8 and 2 K blocks on the same TMA ring (same bits)
-    grouped_cfgs = [gemm_grouped.DEFAULT_CONFIG] + [dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=c)
-                                                    for c in (4, 8, 2)]
+    # the grouped default first (promotion chains of 2 K blocks); then one block at a time (same bits)
+    grouped_cfgs = [gemm_grouped.DEFAULT_CONFIG, dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=1)]
     if "moe" in suites:
         moe_suite(grouped_cfgs[:2] if args.quick else grouped_cfgs, args.quick)
         save()
