@@ -206,3 +206,28 @@ def test_nvfp4_pair_matches_contract_pair(ckpt128, convert):
     assert np.asarray(gg) == got[base + "gate_proj.weight_scale_2"] == got[base + "up_proj.weight_scale_2"]
     assert np.array_equal(np.asarray(gp), got[base + "gate_proj.weight"])
     assert np.asarray(ubs).tobytes() == got[base + "up_proj.weight_scale"].tobytes()
+
+
+def test_fp8_block_checkpoint_codes_are_the_trainers_operands(monkeypatch):
+    """An fp8-block (128 x 128) tensor is quantized by the maker of the trainer's GEMM operands, on the backend chosen
+    for where the array lives: the XLA contract for a CPU array (on a Hopper GPU: the Pallas kernel the trainer runs)."""
+    import jax
+    import jax.numpy as jnp
+
+    from converters import quantize
+    from converters.quantize import quantize_hf_tensor
+    from converters.spec import QuantSpec
+    from jaxrl_fp8.ops import backends
+
+    quantize._quantize.clear_cache()  # trace again, through the patched maker
+    asked = []
+    make = backends.fp8_weight_operands
+    monkeypatch.setattr("converters.quantize.fp8_weight_operands",
+                        lambda w, backend=None, **kw: asked.append((backend, kw)) or make(w, backend, **kw))
+    w = jax.device_put(jnp.asarray(np.random.default_rng(3).standard_normal((256, 384)), jnp.bfloat16), jax.devices("cpu")[0])
+    assert backends.backend_of_array(w) == "xla"
+    out = dict(quantize_hf_tensor("model.layers.0.mlp.experts.0.up_proj.weight", w, QuantSpec("fp8-block"), "fp8-block"))
+    assert asked == [("xla", {"pow2_scale": False})]
+    q, s = make(w, "xla")
+    np.testing.assert_array_equal(out["model.layers.0.mlp.experts.0.up_proj.weight"].view(np.uint8), np.asarray(q).view(np.uint8))
+    np.testing.assert_array_equal(out["model.layers.0.mlp.experts.0.up_proj.weight_scale_inv"], np.asarray(s))

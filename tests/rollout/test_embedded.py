@@ -291,7 +291,7 @@ def test_fp8_rollout_weights_are_quantized_on_the_trainers_backend(monkeypatch):
     asked = []
     quantize = operands.fp8_weight
     monkeypatch.setattr(backends, "resolve", lambda backend, fmt, n, k: asked.append((backend, fmt, n, k)) or "xla")
-    monkeypatch.setattr(operands, "fp8_weight", lambda w, backend=None: asked.append(backend) or quantize(w, backend))
+    monkeypatch.setattr(operands, "fp8_weight", lambda w, backend=None, **kw: asked.append(backend) or quantize(w, backend, **kw))
     w = jnp.asarray(np.random.default_rng(0).standard_normal((3, 256, 384)), jnp.bfloat16)
     got = rollout_operand(w, F.FP8_BLOCK)
     assert asked == [(None, F.FP8_BLOCK, 256, 384), "xla"]  # the trainer's choice (auto), then that backend
