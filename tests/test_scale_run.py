@@ -44,14 +44,15 @@ def test_scale_run_tiny_cpu8(tmp_path):
         cfg = res["config"][recipe]
         assert cfg["rollout"]["placement"] == "collocated" and cfg["rl"]["use_tis"] and cfg["model"]["num_experts"] == 16
     # bitwise where XLA:CPU's dots are row invariant (conftest's row_invariant_cpu); on an Intel Xeon host where they
-    # are not, the unified recipes differed by 1e-6 (bf16) / 7e-8 (fp8_block) before and after this test was written
+    # are not, the unified recipes differed by 1e-6 (bf16) / 7e-8 (fp8_block) when the rows of a step sampled nearly
+    # the same tokens (one sampling seed for every prompt), and by 2.4e-5 once each prompt drew its own stream
     bitwise = cpu_dots_row_invariant()
     for unified in ("bf16", "fp8_block"):
         (row,) = res["rows"][unified]
         if bitwise:
             assert row["train_rollout_logprob_abs_diff"] == 0.0 and row["train_rollout_max_abs_diff"] == 0.0, row
             assert row["train_rollout_kl"] == 0.0
-        assert row["train_rollout_logprob_abs_diff"] < 1e-5, row
+        assert row["train_rollout_logprob_abs_diff"] < 1e-4, row
     assert res["rows"]["bf16_train_fp8_rollout"][0]["train_rollout_logprob_abs_diff"] > 0
     assert res["memory_note"] and res["ratios"]["fp8_vs_bf16_tokens_per_second"] > 0
     assert res["ratios"]["fp8_vs_bf16_peak_memory"] is None

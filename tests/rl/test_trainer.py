@@ -210,3 +210,34 @@ def _flat(state):
     from jaxrl_fp8.model import loader
 
     return [(loader.trainer_path(path), var.get_value()) for path, var in nnx.to_flat_state(state)]
+
+
+def test_rollout_gives_every_prompt_its_own_seed():
+    """One seed for the whole batch gave sample j of every prompt the same random stream (from a random init: the same
+    token in every row, and the yardstick's routing collapsed onto a few experts). Each prompt now has its own base
+    seed, a pure function of (run seed, step, prompt index)."""
+    from types import SimpleNamespace
+
+    from jaxrl_fp8.rollout.types import Sample, prompt_seed, sample_seed
+
+    trainer = _trainer(0, PolicyLossConfig())
+    trainer.tokenizer = SimpleNamespace(stop_ids=[0], decode=lambda ids: "")
+    trainer.reward_fn = lambda *a, **k: 0.0
+    asked = []
+
+    def generate(prompts, sampling, return_routed_experts=False):
+        asked.append(sampling)
+        return [Sample(np.asarray(p, np.int32), np.zeros(1, np.int32), np.zeros(1, np.float32), "length", "0")
+                for p in prompts for _ in range(trainer.s.n_samples)]
+
+    trainer.engine = SimpleNamespace(generate=generate)
+    batch = SimpleNamespace(prompt_ids=[[1, 2], [1, 2], [3]], prompts=["a", "a", "b"], answers=["", "", ""])
+    trainer.rollout(batch, step=3)
+    trainer.rollout(batch, step=3)
+    trainer.rollout(batch, step=4)
+    first, again, later = asked
+    assert first == again  # reproducible
+    base = trainer.sampling(3).seed
+    assert [sp.seed for sp in first] == [prompt_seed(base, i) for i in range(3)]  # identical prompts, distinct seeds
+    assert len({sample_seed(sp.seed, j) for sp in first for j in range(sp.n)}) == 3 * trainer.s.n_samples
+    assert not {sp.seed for sp in first} & {sp.seed for sp in later}

@@ -9,6 +9,7 @@ from jaxrl_fp8.rollout.types import (
     Sample,
     SamplingParams,
     per_prompt_sampling,
+    prompt_seed,
     sample_seed,
 )
 
@@ -54,6 +55,21 @@ def test_sample_seed_contract():
     assert SamplingParams(n=3).for_sample(2).seed is None
     with pytest.raises(ValueError):
         sample_seed(1, -1)
+
+
+def test_prompt_seed_contract():
+    """Every (prompt, sample) of a batch draws its own stream: prompt seeds distinct from each other and from the
+    sample seeds they derive, deterministic, in range."""
+    base = 12345
+    prompts = [prompt_seed(base, i) for i in range(256)]
+    assert prompts == [prompt_seed(base, i) for i in range(256)] and all(0 <= s <= MAX_SEED for s in prompts)
+    streams = {sample_seed(p, j) for p in prompts for j in range(16)}
+    assert len(streams) == 256 * 16
+    assert prompt_seed(base, 1) != sample_seed(base, 1) and prompt_seed(base + 1, 0) != prompt_seed(base, 0)
+    with pytest.raises(ValueError, match="prompt_index"):
+        prompt_seed(base, -1)
+    with pytest.raises(ValueError, match="seed"):
+        prompt_seed(MAX_SEED + 1, 0)
 
 
 def test_per_prompt_sampling():

@@ -35,7 +35,7 @@ from jaxrl_fp8.rl.rewards import compute_rewards
 from jaxrl_fp8.rl.routing_stats import decode_experts_touched
 from jaxrl_fp8.rl.token_stats import chunked_token_stats, token_stats
 # The rollout's log-prob convention (log_softmax(logits / T), row invariant): one definition for sampler and learner.
-from jaxrl_fp8.rollout.types import SamplingParams
+from jaxrl_fp8.rollout.types import SamplingParams, prompt_seed
 
 __all__ = ["TrainerSettings", "Trainer", "make_optimizer"]
 
@@ -275,14 +275,24 @@ class Trainer:
 
     # -- one RL step ----------------------------------------------------------------------------------
     def sampling(self, step: int, greedy: bool = False) -> SamplingParams:
+        """The step's sampling parameters; `seed` is the step's base seed (`prompt_sampling` gives each prompt its own)."""
         stop = () if self.s.ignore_eos else tuple(self.tokenizer.stop_ids)
         return SamplingParams(temperature=0.0 if greedy else self.s.temperature, top_p=self.s.top_p, top_k=self.s.top_k,
                               max_new_tokens=self.s.max_new_tokens, stop_token_ids=stop, ignore_eos=self.s.ignore_eos,
                               n=1 if greedy else self.s.n_samples, seed=(self.s.seed * 1_000_003 + step) % (2**31 - 1))
 
+    def prompt_sampling(self, step: int, num_prompts: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt of this process's batch, each with its own base seed (`rollout.prompt_seed` of
+        the prompt's index in the global batch: processes hold equal batches): with one seed for the batch, sample j of
+        every prompt would draw the same random stream."""
+        sp = self.sampling(step)
+        first = jax.process_index() * num_prompts
+        return [dataclasses.replace(sp, seed=prompt_seed(sp.seed, first + i)) for i in range(num_prompts)]
+
     def rollout(self, batch, step: int):
         prompts = [list(map(int, ids)) for ids in batch.prompt_ids]
-        samples = self.engine.generate(prompts, self.sampling(step), return_routed_experts=self.s.routing_replay)
+        samples = self.engine.generate(prompts, self.prompt_sampling(step, len(prompts)),
+                                       return_routed_experts=self.s.routing_replay)
         responses = [self.tokenizer.decode(list(map(int, s.response_ids))) for s in samples]
         n = self.s.n_samples
         rewards = compute_rewards(self.reward_fn, [batch.prompts[i // n] for i in range(len(samples))], responses,

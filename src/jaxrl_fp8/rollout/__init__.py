@@ -24,6 +24,7 @@ from jaxrl_fp8.rollout.types import (
     Sample,
     SamplingParams,
     per_prompt_sampling,
+    prompt_seed,
     sample_seed,
 )
 from jaxrl_fp8.rollout.weight_sync import (
@@ -62,6 +63,7 @@ __all__ = [
     "decode_routed_experts",
     "encode_routed_experts",
     "per_prompt_sampling",
+    "prompt_seed",
     "sample_seed",
     "serve_forever",
     "start_in_thread",

@@ -33,6 +33,7 @@ MAX_SEED = 2**31 - 1
 
 _SEED_MIX_MULT = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
+_PROMPT_MIX_MULT = 0xD6E8FEB86659FD93  # prompt_seed's salt (sample_seed multiplies the seed by 0x100000001B3)
 
 
 def sample_seed(seed: int, sample_index: int) -> int:
@@ -49,6 +50,21 @@ def sample_seed(seed: int, sample_index: int) -> int:
     if sample_index == 0:
         return seed
     z = (seed * 0x100000001B3 + sample_index * _SEED_MIX_MULT) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return int(z % (MAX_SEED + 1))
+
+
+def prompt_seed(seed: int, prompt_index: int) -> int:
+    """Base seed of prompt `prompt_index` of a batch whose run draws with `seed` (its samples then take
+    `sample_seed(prompt_seed(seed, i), j)`). One seed for every prompt would give sample j of every prompt the same
+    random stream: correlated draws across the batch, and from a near-uniform policy (a random init) the same token
+    in every row. A splitmix64 mix of (seed, i) with its own salt, so it does not reproduce `sample_seed`'s values."""
+    _check_seed("seed", seed)
+    if not isinstance(prompt_index, int) or prompt_index < 0:
+        raise ValueError(f"prompt_index must be a non-negative int, got {prompt_index!r}")
+    z = (seed * _PROMPT_MIX_MULT + (prompt_index + 1) * _SEED_MIX_MULT) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
