@@ -39,11 +39,9 @@
 #                                            # once a step instead of 4 times -> its own JSON (points key on recipe+length)
 #   bash experiments/h200_runs.sh kernels_vs_base  # decode attention + decode GEMMs of this tree vs a carried .base (below)
 #   bash experiments/h200_runs.sh flash_dq   # the dq kernel's 64- vs 128-key steps, fwd+bwd TFLOP/s beside cuDNN
-#   bash experiments/h200_runs.sh pending    # (< 10 min) what the last build left unmeasured, in order: the 4k flash
-#                                            # rollout == trainer bits (both recipes; fp8_block after the engine's weights
-#                                            # moved to the trainer's quantizer), the BF16 kernels' GPU bit tests (one
-#                                            # wgmma in flight; the wgrad reading dy / x in place), the wgrad suite (BF16
-#                                            # against transposed_ragged_dot_mgpu), the decode suite (BF16 ring)
+#   bash experiments/h200_runs.sh pending    # (< 10 min) what the last build left unmeasured: the converters' GPU bit tests
+#                                            # (the export quantizes fp8-block on the trainer's kernel now), the decode
+#                                            # GEMM suite (grouped default: chains of two); the chains stage next
 #   bash experiments/h200_runs.sh chains     # (~5 min) FP8 grouped forward / wgrad promotion chains: bit tests + timings
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
@@ -221,13 +219,10 @@ case "${1:-}" in
       (cd "$tree" && PYTHONPATH=src:. timeout 100 $PY experiments/benchmarks/gemm.py --suites decode \
           --out "$OUT/gemm_decode_$name.json" 2>&1 | quiet | tail -12 )
     done ;;
-  pending)
-    timeout 200 $PY -m pytest -s -v -m gpu tests/rollout/test_flash_rollout_gpu.py -p no:cacheprovider --tb=short 2>&1 \
-      | quiet | tee "$OUT/flash_rollout_gpu.log" | grep -E "PASSED|FAILED|passed|failed|bit-identical|Error"
-    timeout 120 $PY -m pytest -q -m gpu tests/pallas_kernels/test_gemm_grouped_bf16.py tests/pallas_kernels/test_gemm_grouped_wgrad.py \
-      -p no:cacheprovider --tb=short 2>&1 | quiet | tee "$OUT/grouped_gpu_tests.log" | tail -3
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 130 $PY experiments/benchmarks/gemm.py --suites wgrad --quick \
-      --out "$OUT/gemm_wgrad_quick_$(card_name).json" 2>&1 | quiet | tee "$OUT/gemm_wgrad_quick.log" | grep -E "^ours|^transposed|rror"
+  pending)  # (~5 min) what this build left unmeasured: the SGLang export on the GPU (fp8-block now made by the trainer's
+            # kernel), the decode GEMM suite with the grouped default's chains of two; then run the chains stage
+    timeout 150 $PY -m pytest -q -m gpu tests/converters/test_gpu_bitwise.py -p no:cacheprovider -rxX --tb=line 2>&1 \
+      | quiet | tee "$OUT/converters_gpu.log" | tail -8
     timeout 130 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_$(card_name).json" 2>&1 | quiet \
       | tee "$OUT/gemm_decode.log" | grep -E "^ours|rror" ;;
   chains)  # (~5 min) promotion chains (a K block promoted under the next one's wgmma) in the FP8 grouped forward and
