@@ -136,10 +136,8 @@ def promoted_blocks(n, acc, it, *, full, stages: int, blocks_per_step: int, acc_
         return body
 
     carry = lax.fori_loop(0, lax.div(n, blocks_per_step), chain(blocks_per_step), (acc, it))
-    length = blocks_per_step // 2
-    while length:  # the remainder's binary digits, longest chain first
-        carry = lax.fori_loop(0, lax.rem(lax.div(n, length), 2), chain(length), carry)
-        length //= 2
+    if blocks_per_step == 2:
+        carry = lax.fori_loop(0, lax.rem(n, 2), chain(1), carry)  # an odd last block alone
     return carry
 
 
