@@ -9,7 +9,7 @@ import pytest
 
 from jaxrl_fp8.model.matmul import high_precision_linear
 from jaxrl_fp8.rl.losses import entropy_from_logits
-from jaxrl_fp8.rl.token_stats import chunked_token_stats, token_stats
+from jaxrl_fp8.rl.token_stats import balanced_chunk, chunked_token_stats, token_stats
 from jaxrl_fp8.rollout.sampling import tempered_logits, token_logprobs
 
 B, T, H, V = 3, 7, 32, 97
@@ -65,6 +65,22 @@ def test_gradients_match_the_whole_batch():
     got = jax.jit(jax.grad(loss(lambda h, hd: chunked_token_stats(h, hd, targets, 0.9, 4)), argnums=(0, 1)))(hidden, head)
     for a, b in zip(ref, got):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+
+
+@pytest.mark.parametrize("n,chunk,expected", [
+    (5116, 2048, 1712),  # a 4-row micro-batch of 1,279 positions: 3 chunks of 1,712 (5,136), not of 2,048 (6,144)
+    (4096, 2048, 2048),  # divides: unchanged
+    (21, 64, 24),  # one chunk: rounded up to 8 within the bound
+    (21, 4, 4),  # 6 chunks of 3.5 -> 4 = the bound
+    (7, 5, 4),  # 2 chunks of 4 (rounding up to 8 would pass the bound)
+    (1, 1, 1),
+])
+def test_balanced_chunk(n, chunk, expected):
+    size = balanced_chunk(n, chunk)
+    assert size == expected and size <= chunk
+    assert -(-n // size) == -(-n // chunk)  # never more chunks than the bound asks for
+    with pytest.raises(ValueError, match="must be >= 1"):
+        balanced_chunk(0, chunk)
 
 
 def test_bad_arguments_are_named():
