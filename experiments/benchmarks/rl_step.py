@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows per micro-batch of an update (config rl.micro_batch_rows: the minibatch's gradient "
                         "accumulated over micro-batches, one optimizer update per minibatch; default: the whole minibatch)")
     p.add_argument("--logit-chunk", type=int, default=None,
-                   help="token positions per chunk of the loss's head / log-softmax / entropy (config "
+                   help="at most this many token positions per (equal) chunk of the loss's head / log-softmax / entropy (config "
                         "rl.logit_chunk_tokens; recomputed in the backward: no [tokens, vocab] logits; default: off)")
     p.add_argument("--logprob-chunk", type=int, default=None,
                    help="rows per call of the old-log-prob pass (config rl.logprob_chunk_rows; default: --micro-batch, else --batch)")

@@ -128,7 +128,8 @@ def base_config() -> ml_collections.ConfigDict:
     # prompts_per_step*n_samples/num_minibatches), one optimizer update per minibatch; bounds the update's activation
     # memory by the micro-batch instead of the minibatch. 0: the whole minibatch at once.
     c.rl.micro_batch_rows = 0
-    # > 0: the loss's head / log-softmax / entropy over chunks of this many token positions, recomputed in the backward:
+    # > 0: the loss's head / log-softmax / entropy over equal chunks of at most this many token positions (as few as that
+    # allows: little padding), recomputed in the backward:
     # the update never holds [tokens, vocab] float32 logits (~24 B x vocab a token, 3.6 MB at vocab 151936); same
     # values. 0: all positions at once.
     c.rl.logit_chunk_tokens = 0

@@ -24,6 +24,8 @@ elementwise operations, which XLA compiles identically for every row:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -67,7 +69,34 @@ def _next_pow2(n: int) -> int:
 
 
 def row_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
-    """Sum over `axis` as a fixed pairwise tree of elementwise adds (row invariant, see module doc)."""
+    """Sum over `axis` as a fixed pairwise tree of elementwise adds (row invariant, see module doc).
+
+    Differentiated in closed form: the cotangent of a sum is the output's cotangent broadcast over the axis. These
+    are the values autodiff of the tree gives (each level's slices transpose to zero pads whose add_any places every
+    cotangent once), without a pad and an add per level over the whole axis in the backward: under every RMSNorm of
+    the trainer's backward that was ~2 x 11 [tokens, H]-sized pads and adds (H = 2048)."""
+    axis = axis % x.ndim
+    return _row_sum(x, axis, keepdims)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _row_sum(x: jax.Array, axis: int, keepdims: bool) -> jax.Array:
+    return _pairwise_tree(x, axis, keepdims)
+
+
+def _row_sum_fwd(x, axis, keepdims):
+    return _pairwise_tree(x, axis, keepdims), jnp.zeros((x.shape[axis], 0), x.dtype)  # the axis' length, no data
+
+
+def _row_sum_bwd(axis, keepdims, length, g):
+    g = g if keepdims else jnp.expand_dims(g, axis)
+    return (jnp.broadcast_to(g, g.shape[:axis] + (length.shape[0],) + g.shape[axis + 1:]),)
+
+
+_row_sum.defvjp(_row_sum_fwd, _row_sum_bwd)
+
+
+def _pairwise_tree(x: jax.Array, axis: int, keepdims: bool) -> jax.Array:
     x = jnp.moveaxis(x, axis, -1)
     n = x.shape[-1]
     p = _next_pow2(n)
@@ -77,9 +106,7 @@ def row_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
         h = x.shape[-1] // 2
         x = x[..., :h] + x[..., h:]
     out = x[..., 0]
-    if keepdims:
-        out = jnp.expand_dims(out, axis if axis >= 0 else out.ndim + 1 + axis)
-    return out
+    return jnp.expand_dims(out, axis) if keepdims else out
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
