@@ -59,11 +59,13 @@
 #                                            # our BF16 kernel, weight bytes against the copy bandwidth) -> $OUT/gemm_decode_h200.json
 #   bash experiments/h200_runs.sh profile_decode  # (~8 min; PROFILE_SLOTS=64 for one) step_profile.py's decode program at 64 slots (rl_step's rollout:
 #                                            # 1k responses) and at 256 slots (rollout_workload), 6 layers, bf16 + fp8_block,
-#                                            # every kernel listed (--top 120) and the optimized HLO of decode_slots beside it
-#                                            # -> $OUT/step_profile_decode{64,256}_h200.json, $OUT/decode_hlo.tgz
+#                                            # every kernel listed (--top 120) with the source lines it computes (--hlo-dump),
+#                                            # the optimized HLO of decode_slots beside it
+#                                            # -> $OUT/step_profile_decode{64,256}_<card>.json, $OUT/decode_hlo.tgz
 #   bash experiments/h200_runs.sh profile_accum  # (~4 min) the update as rl_step_accum runs it (16 rows x 1280 tokens,
 #                                            # micro-batches of 4, logit chunks of 2048), bf16 + fp8_block, its optimized
-#                                            # HLO beside it (fusion names -> source ops) -> $OUT/step_profile_update_accum_h200.json,
+#                                            # HLO beside it; every top kernel named by the source lines it computes
+#                                            # (--hlo-dump) -> $OUT/step_profile_update_accum_<card>.json,
 #                                            # $OUT/update_hlo.tgz (carry .whl/)
 # decode, rollout_workload, mismatch and profile write their JSON after every point / size, so a stage cut short keeps
 # what it measured.
@@ -200,7 +202,8 @@ case "${1:-}" in
     XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/update_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=_update" \
       timeout "${2:-400}" $PY experiments/benchmarks/step_profile.py --programs update --recipes bf16,fp8_block \
-      --update-rows 16 --update-micro-batch 4 --update-logit-chunk 2048 --out "$OUT/step_profile_update_accum_h200.json" \
+      --update-rows 16 --update-micro-batch 4 --update-logit-chunk 2048 --top 120 --hlo-dump /tmp/update_hlo \
+      --out "$OUT/step_profile_update_accum_$(card_name).json" \
       2>&1 | quiet | tee "$OUT/step_profile_update_accum.log"
     mkdir -p /tmp/update_hlo_kept && cp /tmp/update_hlo/*_update*after_optimizations.txt /tmp/update_hlo_kept/ 2>/dev/null
     tar czf "$OUT/update_hlo.tgz" -C /tmp update_hlo_kept ;;
@@ -245,7 +248,8 @@ case "${1:-}" in
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
         XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/decode_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_slots" \
         timeout "${2:-270}" $PY experiments/benchmarks/step_profile.py --programs decode --recipes bf16,fp8_block --layers 6 \
-        --slots $slots --max-len $len --top 120 --out "$OUT/step_profile_decode${slots}_h200.json" 2>&1 | quiet \
+        --slots $slots --max-len $len --top 120 --hlo-dump /tmp/decode_hlo \
+        --out "$OUT/step_profile_decode${slots}_$(card_name).json" 2>&1 | quiet \
         | tee "$OUT/step_profile_decode${slots}.log" | tail -30
     done
     mkdir -p /tmp/decode_hlo_kept && cp /tmp/decode_hlo/*decode_slots*after_optimizations.txt /tmp/decode_hlo_kept/ 2>/dev/null

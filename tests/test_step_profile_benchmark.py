@@ -9,12 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "benchmarks" / "step_profile.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
+import hlo_sources  # noqa: E402
 import step_profile as sp  # noqa: E402
 
 
@@ -171,13 +174,57 @@ def test_amdahl_splits_the_products_fp8_runs_from_the_rest():
     assert sp.amdahl({"fusions (loop / elementwise)": {"bf16": 5.0, "fp8_block": 6.0}}, 5.0, 6.0) is None  # no FP8 kernel ran
 
 
+def _scaled_tanh(x):
+    return jnp.tanh(x) * 3.0  # the forward's elementwise ops: this line
+
+
+def test_hlo_sources_name_the_lines_a_fusion_computes():
+    """A compiled module's fusions map to the source lines of their ops (forward and backward told apart), under the
+    instruction name and under its GPU kernel form ('.' -> '_'); `attribute` sums top kernels by dominant line."""
+    line = _scaled_tanh.__code__.co_firstlineno + 1
+    f = jax.jit(jax.grad(lambda x: jnp.sum(_scaled_tanh(x) ** 2)))
+    text = f.lower(jnp.ones((8, 128))).compile().as_text()
+    mapping = hlo_sources.module_sources(text)
+    mine = {name: info for name, info in mapping.items()
+            if any(s.startswith(f"tests/test_step_profile_benchmark.py:{line}") for s, _ in info["sources"])}
+    assert mine, "no instruction attributed to _scaled_tanh's line"
+    assert any(info["backward"] for info in mine.values()) and any(not info["backward"] for info in mine.values())
+    name = next(n for n in mine if "." in n)
+    assert mapping[hlo_sources.normalize(name)] is mapping[name]
+    per_step = {"top_kernels": [{"name": hlo_sources.normalize(name), "ms": 2.0}, {"name": "unknown_kernel", "ms": 1.0}]}
+    got = hlo_sources.attribute(per_step, mapping)
+    assert got["attributed_ms"] == 2.0 and got["unattributed_ms"] == 1.0
+    assert got["by_source"][0]["ms"] == 2.0 and "sources" in per_step["top_kernels"][0]
+    assert "sources" not in per_step["top_kernels"][1]
+    assert hlo_sources.shape_bytes("(f32[4,128]{1,0}, bf16[2])") == 4 * 128 * 4 + 4
+
+
+def test_hlo_sources_read_inline_source_metadata():
+    """Older dumps write source_file / source_line into each instruction's metadata (no stack-frame tables)."""
+    text = """HloModule m
+
+%fused_computation.3 (p: f32[64]) -> f32[64] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %mul.1 = f32[64]{0} multiply(%p, %p), metadata={op_name="jit(f)/transpose(jvp())/mul" source_file="/x/src/jaxrl_fp8/model/moe.py" source_line=128}
+}
+
+ENTRY %main (a: f32[64]) -> f32[64] {
+  %a = f32[64]{0} parameter(0)
+  ROOT %loop_multiply_fusion.3 = f32[64]{0} fusion(%a), kind=kLoop, calls=%fused_computation.3, metadata={op_name="jit(f)/mul"}
+}
+"""
+    info = hlo_sources.module_sources(text)["loop_multiply_fusion_3"]
+    assert info["sources"] == [("jaxrl_fp8/model/moe.py:128", 1.0)] and info["backward"]
+
+
 @pytest.mark.slow
 def test_tiny_run_writes_per_kernel_profile(tmp_path):
-    out, traces = tmp_path / "sp.json", tmp_path / "traces"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-    env.pop("XLA_FLAGS", None)
+    out, traces, dump = tmp_path / "sp.json", tmp_path / "traces", tmp_path / "hlo"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+               XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text", JAX_ENABLE_COMPILATION_CACHE="false")
     p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--recipes", "fp8_block", "--trace-dir", str(traces),
-                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+                        "--hlo-dump", str(dump), "--out", str(out)], env=env, capture_output=True, text=True, timeout=400,
+                       cwd=ROOT)
     assert p.returncode == 0, f"{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
     r = json.loads(out.read_text())
     assert r["complete"] and r["tiny"] and r["device"]["platform"] == "cpu" and r["versions"]["jax"] and r["date"]
@@ -198,6 +245,9 @@ def test_tiny_run_writes_per_kernel_profile(tmp_path):
         assert x["wall_ms_per_step"]["no_profiler"] > 0 and x["wall_ms_per_step"]["profiled"] > 0
         assert x["gap_ms_per_step"] == pytest.approx(x["wall_ms_per_step"]["no_profiler"] - s["kernel_ms"])
         assert any(line["line"] and line["line"].startswith("tf_XLA") for line in x["trace"]["lines"])
+        hs = x["hlo_sources"]  # the dump of the program's module names the lines its top kernels compute
+        assert hs["dump"] and hs["attributed_ms"] > 0 and hs["by_source"]
+        assert any(src.startswith("jaxrl_fp8/") for k in s["top_kernels"] for src in k.get("sources", []))
         assert x["trace"]["with_hlo_module"] == x["trace"]["kernels"] > 0 and os.path.isfile(x["trace"]["xplane"])
     dec, upd = r["points"]
     assert dec["steps_per_call"] == 7 and dec["decode_steps_profiled"] == 7  # --step-new 8: 7 steps, --repeats 1

@@ -44,6 +44,11 @@ condition copied to the host every step, idle). Under the profiler XLA runs with
 XLA's --xla_enable_command_buffers_during_profiling=false; `--command-buffers-in-profile` sets it true) and CUPTI
 adds a cost per launch, so the profiled wall is longer than the unprofiled; kernel durations are the device's.
 
+With `--hlo-dump DIR` (the run started with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text"), each point's top
+kernels also carry the source lines of the ops they run and whether that is backward work (`hlo_sources`: XLA's
+optimized HLO of the program's module), and `hlo_sources.by_source` sums their time by dominant source line: which
+line of the model or the loss an elementwise fusion computes, which the kernel name does not say.
+
     python experiments/benchmarks/step_profile.py            # the H200 run -> results/step_profile_gpu.json
     python experiments/benchmarks/step_profile.py --tiny     # CPU smoke run (< 2 minutes) -> results/step_profile_cpu_tiny.json
 """
@@ -70,6 +75,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import hlo_sources  # noqa: E402
 from model_slice import add_model_slice_args, apply_tiny_slice, model_config_from_args, slice_fields  # noqa: E402
 from timing import run_header, write_results  # noqa: E402
 
@@ -626,10 +632,17 @@ def table(points: list[dict], comparison: dict) -> str:
         for c in s["categories"]:
             lines.append(f"| {c['category']} | {_f(c['ms'])} | {_f(100 * c['share'] if c['share'] is not None else None, 1)} % "
                          f"| {c['kernels']:.1f} |")
-        lines += ["", f"| kernel | category | count/{unit} | ms/{unit} | share |", "|---|---|---|---|---|"]
+        lines += ["", f"| kernel | category | count/{unit} | ms/{unit} | share | source lines (backward?) |",
+                  "|---|---|---|---|---|---|"]
         for k in s["top_kernels"]:
+            where = "; ".join(k.get("sources", [])[:2]) + (" (bwd)" if k.get("backward") else "")
             lines.append(f"| {k['name'][:90]} | {k['category']} | {k['count']:.1f} | {_f(k['ms'])} | "
-                         f"{_f(100 * k['share'] if k['share'] is not None else None, 1)} % |")
+                         f"{_f(100 * k['share'] if k['share'] is not None else None, 1)} % | {where} |")
+        if p.get("hlo_sources", {}).get("by_source"):
+            hs = p["hlo_sources"]
+            lines += ["", f"| top kernels' time by dominant source line ({hs['dump']}) | ms/{unit} |", "|---|---|"]
+            lines += [f"| {x['source']} | {_f(x['ms'])} |" for x in hs["by_source"][:15]]
+            lines.append(f"| (not attributed) | {_f(hs['unattributed_ms'])} |")
         lines += ["", f"| kernel kind (instance numbers dropped) | names | count/{unit} | ms/{unit} | share |",
                   "|---|---|---|---|---|"]
         for k in s["top_kinds"][:10]:
@@ -657,6 +670,18 @@ def table(points: list[dict], comparison: dict) -> str:
                          f"no time: {_f(a['ceiling_if_fp8_products_took_no_time'], 2)}x")
         lines.append("")
     return "\n".join(lines)
+
+
+def source_lines(point: dict, dump_dir: str) -> dict:
+    """The point's top kernels attributed to source lines from the dump of its program's module (`hlo_sources`)."""
+    module = DECODE_MODULE if point["program"] == "decode" else UPDATE_MODULE
+    files = hlo_sources.dump_files(dump_dir, module)
+    if not files:
+        return {"dump": None, "error": f"no *{module}*after_optimizations.txt under {dump_dir} (was XLA_FLAGS set "
+                                       "with --xla_dump_to before the run, and the program compiled, not loaded from a cache?)"}
+    names = [k["name"] for k in point["per_step"]["top_kernels"]]
+    path, mapping = hlo_sources.best_module(files, names)
+    return {"dump": os.path.basename(path), **hlo_sources.attribute(point["per_step"], mapping)}
 
 
 def parse_args(argv=None):
@@ -693,6 +718,9 @@ def parse_args(argv=None):
                         "(--xla_enable_command_buffers_during_profiling=true; kernels then may lose XLA's annotations)")
     p.add_argument("--seed", type=int, default=0, help="model init, prompts and minibatch (default %(default)s)")
     p.add_argument("--trace-dir", default="", help="keep the raw traces here (default: a temp dir, deleted at the end)")
+    p.add_argument("--hlo-dump", default="",
+                   help="XLA's text dump of this run (XLA_FLAGS='--xla_dump_to=DIR --xla_dump_hlo_as_text' set before the run): "
+                        "the top kernels get the source lines of their ops, each point a time-by-source-line table")
     p.add_argument("--out", default=None,
                    help="JSON path (default: results/step_profile_<platform>.json; --tiny: results/step_profile_cpu_tiny.json)")
     args = p.parse_args(argv)
@@ -782,6 +810,8 @@ def main(argv=None) -> int:
                      "oom": any(s in msg for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory"))}
             print(f"[step_profile] {program} {recipe_name}: FAILED {msg[:500]}", file=sys.stderr, flush=True)
         point["recipe"] = recipe_name
+        if point["status"] == "ok" and args.hlo_dump:
+            point["hlo_sources"] = source_lines(point, args.hlo_dump)
         point["point_seconds"] = time.time() - t0
         source = (point.get("trace") or {}).get("source", "")
         if point["status"] == "ok" and dev.platform != "cpu" and not source.startswith("device"):
