@@ -68,17 +68,18 @@ def test_gradients_match_the_whole_batch():
 
 
 @pytest.mark.parametrize("n,chunk,expected", [
-    (5116, 2048, 1712),  # a 4-row micro-batch of 1,279 positions: 3 chunks of 1,712 (5,136), not of 2,048 (6,144)
+    (5116, 2048, 1706),  # a 4-row micro-batch of 1,279 positions: 3 chunks of 1,706 (5,118), not of 2,048 (6,144)
     (4096, 2048, 2048),  # divides: unchanged
-    (21, 64, 24),  # one chunk: rounded up to 8 within the bound
+    (21, 64, 21),  # one chunk: no padding
     (21, 4, 4),  # 6 chunks of 3.5 -> 4 = the bound
-    (7, 5, 4),  # 2 chunks of 4 (rounding up to 8 would pass the bound)
+    (7, 5, 4),  # 2 chunks of 4
     (1, 1, 1),
 ])
 def test_balanced_chunk(n, chunk, expected):
     size = balanced_chunk(n, chunk)
     assert size == expected and size <= chunk
     assert -(-n // size) == -(-n // chunk)  # never more chunks than the bound asks for
+    assert -(-n // size) * size - n < -(-n // chunk)  # padding: fewer positions than chunks
     with pytest.raises(ValueError, match="must be >= 1"):
         balanced_chunk(0, chunk)
 

@@ -84,15 +84,13 @@ def _token_stats_bwd(with_entropy, res, cts):
 _token_stats.defvjp(_token_stats_fwd, _token_stats_bwd)
 
 
-def balanced_chunk(n: int, chunk: int, multiple: int = 8) -> int:
+def balanced_chunk(n: int, chunk: int) -> int:
     """Positions per chunk for `n` positions in chunks of at most `chunk`: as few chunks as `chunk` allows, of equal
-    size rounded up to `multiple` where that stays within `chunk`."""
+    size (the last one padded by fewer positions than there are chunks)."""
     if n < 1 or chunk < 1:
         raise ValueError(f"positions ({n}) and chunk ({chunk}) must be >= 1")
     chunks = -(-n // chunk)
-    size = -(-n // chunks)
-    aligned = -(-size // multiple) * multiple
-    return aligned if aligned <= chunk else size
+    return -(-n // chunks)
 
 
 def chunked_token_stats(hidden: jax.Array, head: jax.Array, targets: jax.Array, temperature, chunk: int, *,
