@@ -122,10 +122,13 @@ def combine(rows_sorted: jax.Array, d: Dispatch, weights: jax.Array) -> jax.Arra
     """rows_sorted [N*k, H] (expert order) -> sum_j weights[:, j] * row(token, j), float32 [N, H]."""
     n, k = weights.shape
     unsorted = _permute_rows(rows_sorted, d.inverse, d.order)  # back to (token, slot) order
-    per_slot = unsorted.reshape(n, k, -1).astype(F32)
-    out = rounded_product(weights[:, 0, None], per_slot[:, 0])
+    # every slot's product rounded (no FMA with the sum), all k in one op: one kernel, not one per slot (a decode
+    # step's layer ran 8 product kernels here); then the sum in slot order, the same roundings and order as k
+    # separate rounded products added one by one
+    products = rounded_product(weights[:, :, None], unsorted.reshape(n, k, -1).astype(F32))
+    out = products[:, 0]
     for j in range(1, k):
-        out = out + rounded_product(weights[:, j, None], per_slot[:, j])
+        out = out + products[:, j]
     return out
 
 
