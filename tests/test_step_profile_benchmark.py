@@ -4,6 +4,7 @@ XLA:CPU thunks (self times), and `--tiny` on CPU end to end (decode + update, fp
 categories summing to the kernel time, the traces kept under --trace-dir."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -242,7 +243,10 @@ def test_tiny_run_writes_per_kernel_profile(tmp_path):
         assert 0 < len(s["top_kernels"]) <= 20 and sum(k["ms"] for k in s["top_kernels"]) <= s["kernel_ms"] * (1 + 1e-9)
         assert [k["ms"] for k in s["top_kernels"]] == sorted((k["ms"] for k in s["top_kernels"]), reverse=True)
         assert all(k["category"] == sp.categorize(k["name"]) for k in s["top_kernels"])
-        assert x["wall_ms_per_step"]["no_profiler"] > 0 and x["wall_ms_per_step"]["profiled"] > 0
+        # decode's unprofiled wall is a difference of two timed generates (one call each here): on a loaded CPU it can
+        # come out <= 0, so only its presence is checked; the update's is a direct timing
+        assert math.isfinite(x["wall_ms_per_step"]["no_profiler"]) and x["wall_ms_per_step"]["profiled"] > 0
+        assert x["program"] == "decode" or x["wall_ms_per_step"]["no_profiler"] > 0
         assert x["gap_ms_per_step"] == pytest.approx(x["wall_ms_per_step"]["no_profiler"] - s["kernel_ms"])
         assert any(line["line"] and line["line"].startswith("tf_XLA") for line in x["trace"]["lines"])
         hs = x["hlo_sources"]  # the dump of the program's module names the lines its top kernels compute
