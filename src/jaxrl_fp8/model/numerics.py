@@ -73,8 +73,9 @@ def row_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
 
     Differentiated in closed form: the cotangent of a sum is the output's cotangent broadcast over the axis. These
     are the values autodiff of the tree gives (each level's slices transpose to zero pads whose add_any places every
-    cotangent once), without a pad and an add per level over the whole axis in the backward: under every RMSNorm of
-    the trainer's backward that was ~2 x 11 [tokens, H]-sized pads and adds (H = 2048)."""
+    cotangent once), without two pads and an add per level in the backward: under every RMSNorm of the trainer's
+    backward (H = 2048: 11 levels) that was 33 ops writing ~4 H values a token where one broadcast fuses into its
+    consumer."""
     axis = axis % x.ndim
     return _row_sum(x, axis, keepdims)
 
