@@ -15,9 +15,9 @@ stats over `chunk` positions at a time inside a `lax.map`, each chunk rematerial
 (`jax.checkpoint`), so one chunk's logits are live at a time. Every position goes through the same ops as at once,
 so the values are the unchunked ones, bit for bit where the head's product is row invariant (the GPU kernels;
 XLA:CPU on most hosts). `chunk` is an upper bound: the positions are split into as few chunks as it allows, of equal
-size (`balanced_chunk`), so padding costs at most a few positions instead of up to a whole chunk (a 4-row micro-batch
-of 1,279 positions a row in chunks of 2,048 padded 5,116 positions to 6,144: a fifth of the head's products and
-vocabulary passes spent on zeros).
+size (`balanced_chunk`), so padding costs fewer positions than there are chunks instead of up to a whole chunk (a
+4-row micro-batch of 1,279 positions a row takes 3 chunks of 1,706, where chunks of 2,048 would pad 5,116 positions
+to 6,144 and spend a sixth of the head's products and vocabulary passes on zeros).
 """
 
 from __future__ import annotations

@@ -49,11 +49,7 @@ def sample_seed(seed: int, sample_index: int) -> int:
         raise ValueError(f"sample_index must be a non-negative int, got {sample_index!r}")
     if sample_index == 0:
         return seed
-    z = (seed * 0x100000001B3 + sample_index * _SEED_MIX_MULT) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return int(z % (MAX_SEED + 1))
+    return _splitmix_seed(seed * 0x100000001B3 + sample_index * _SEED_MIX_MULT)
 
 
 def prompt_seed(seed: int, prompt_index: int) -> int:
@@ -64,7 +60,12 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
     _check_seed("seed", seed)
     if not isinstance(prompt_index, int) or prompt_index < 0:
         raise ValueError(f"prompt_index must be a non-negative int, got {prompt_index!r}")
-    z = (seed * _PROMPT_MIX_MULT + (prompt_index + 1) * _SEED_MIX_MULT) & _MASK64
+    return _splitmix_seed(seed * _PROMPT_MIX_MULT + (prompt_index + 1) * _SEED_MIX_MULT)
+
+
+def _splitmix_seed(z: int) -> int:
+    """splitmix64's finaliser of a 64-bit mix of (seed, index), folded into [0, MAX_SEED]."""
+    z &= _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
