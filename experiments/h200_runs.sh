@@ -62,7 +62,9 @@
 #                                            # every kernel listed (--top 120) with the source lines it computes (--hlo-dump),
 #                                            # the optimized HLO of decode_slots beside it
 #                                            # -> $OUT/step_profile_decode{64,256}_<card>.json, $OUT/decode_hlo.tgz
-#   bash experiments/h200_runs.sh profile_accum  # (~4 min) the update as rl_step_accum runs it (16 rows x 1280 tokens,
+#   bash experiments/h200_runs.sh profile_accum  # (~4 min) the update as rl_step_accum runs it (16 rows x 1280 tokens, 4 layers
+#                                            # on an H200, 3 on a card under 100 GB (bf16 runs out of memory at 4 on an H100;
+#                                            # PROFILE_LAYERS overrides),
 #                                            # micro-batches of 4, logit chunks of 2048), bf16 + fp8_block, its optimized
 #                                            # HLO beside it; every top kernel named by the source lines it computes
 #                                            # (--hlo-dump) -> $OUT/step_profile_update_accum_<card>.json,
@@ -202,7 +204,7 @@ case "${1:-}" in
     XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/update_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=_update" \
       timeout "${2:-400}" $PY experiments/benchmarks/step_profile.py --programs update --recipes bf16,fp8_block \
-      --update-rows 16 --update-micro-batch 4 --update-logit-chunk 2048 --top 120 --hlo-dump /tmp/update_hlo \
+      --layers "${PROFILE_LAYERS:-$([ "$(card_name)" = h200 ] && echo 4 || echo 3)}" --update-rows 16 --update-micro-batch 4 --update-logit-chunk 2048 --top 120 --hlo-dump /tmp/update_hlo \
       --out "$OUT/step_profile_update_accum_$(card_name).json" \
       2>&1 | quiet | tee "$OUT/step_profile_update_accum.log"
     mkdir -p /tmp/update_hlo_kept && cp /tmp/update_hlo/*_update*after_optimizations.txt /tmp/update_hlo_kept/ 2>/dev/null

@@ -93,18 +93,17 @@ def test_bad_arguments_are_named():
 
 
 def test_bf16_head_gradient_is_summed_over_chunks_in_float32():
-    """With a BF16 head (the trainer's compute dtype) each chunk's head gradient is a BF16 product (as a micro-batch's
-    gradient is); the chunks must add up in float32 and round once - not round to BF16 after every chunk."""
+    """With a BF16 head (the trainer's compute dtype) each chunk's head gradient is one BF16 product of the logits'
+    cotangent rounded to BF16 (`head_logits`); the chunks must add up in float32 and round once - not round to BF16
+    after every chunk."""
     hidden, head, targets = _inputs(3, jnp.bfloat16)
     w = jax.random.normal(jax.random.key(4), (B, T))
-    positions = jnp.arange(B * T).reshape(B, T)
-
-    def whole_grad(weights):
-        return jax.grad(lambda hd: jnp.sum(weights * _whole(hidden, hd, targets, 1.0)[0]))(head)
-
-    # chunks of one position: the float32 sum of every position's own BF16 head gradient, rounded once
-    expected = sum(whole_grad(jnp.where(positions == i, w, 0.0)).astype(jnp.float32) for i in range(B * T))
-    expected = expected.astype(jnp.bfloat16).astype(jnp.float32)
+    logits = high_precision_linear(hidden, head, jnp.float32)
+    dlogits = jax.grad(lambda lg: jnp.sum(w * token_stats(lg, targets, 1.0)[0]))(logits)
+    g = dlogits.astype(jnp.bfloat16).astype(jnp.float32).reshape(B * T, V)
+    x = hidden.astype(jnp.float32).reshape(B * T, H)
+    # chunks of one position: the float32 sum of every position's own product, rounded once
+    expected = sum(jnp.outer(g[i], x[i]) for i in range(B * T)).astype(jnp.bfloat16).astype(jnp.float32)
     got = jax.jit(lambda: jax.grad(lambda hd: jnp.sum(w * chunked_token_stats(hidden, hd, targets, 1.0, 1)[0]))(head))()
     assert got.dtype == jnp.bfloat16
     # float32 sums of the same terms in another order: within one BF16 ulp

@@ -9,8 +9,11 @@ Router and lm_head are high precision by contract: float32 accumulation, never q
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxrl_fp8 import ops
 from jaxrl_fp8.ops.grouping import grouped_dot
@@ -19,7 +22,7 @@ from jaxrl_fp8.precision import QuantizedWeight
 
 F32 = jnp.float32
 
-__all__ = ["linear", "grouped_linear", "high_precision_linear", "weight_dtype"]
+__all__ = ["linear", "grouped_linear", "high_precision_linear", "head_logits", "weight_dtype"]
 
 
 def weight_dtype(w) -> jnp.dtype:
@@ -60,3 +63,36 @@ def high_precision_linear(x: jax.Array, w: jax.Array, out_dtype=F32) -> jax.Arra
     lead = x.shape[:-1]
     y = high_precision_dot(x.reshape(-1, x.shape[-1]), w)
     return y.reshape(*lead, w.shape[0]).astype(out_dtype)
+
+
+def head_logits(x: jax.Array, w: jax.Array, compute_dtype) -> jax.Array:
+    """float32 logits x [..., H] . w [V, H]^T: forward `high_precision_linear` of x and w in `compute_dtype` (the
+    rollout's bits); backward in `compute_dtype` like every layer's: the logits' cotangent rounded to it once, one
+    product per gradient, float32 accumulation (decision record 0004). `w` may be a float32 copy of
+    compute-dtype values (an exact round trip): its gradient then comes back float32, so a chunked loss adds its
+    chunks' head gradients in float32."""
+    lead = x.shape[:-1]
+    y = _head_logits(x.reshape(-1, x.shape[-1]), w, jnp.dtype(compute_dtype))
+    return y.reshape(*lead, w.shape[0])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _head_logits(x, w, compute_dtype):
+    return high_precision_dot(x.astype(compute_dtype), w.astype(compute_dtype)).astype(F32)
+
+
+def _head_logits_fwd(x, w, compute_dtype):
+    return _head_logits(x, w, compute_dtype), (x, w)
+
+
+def _head_logits_bwd(compute_dtype, res, g):
+    x, w = res
+    g = g.astype(compute_dtype)
+
+    def dot(a, b, contract):
+        return lax.dot_general(a, b.astype(compute_dtype), ((contract, (0,)), ((), ())), preferred_element_type=F32)
+
+    return dot(g, w, (1,)).astype(x.dtype), dot(g, x, (0,)).astype(w.dtype)
+
+
+_head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)

@@ -288,7 +288,7 @@ class Qwen3(nnx.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)
         x = rms_norm(x, self.final_norm.scale.get_value(), cfg.rms_norm_eps)
-        logits = matmul.high_precision_linear(x, self.head_weight(x.dtype), F32) if head else None
+        logits = matmul.head_logits(x, self.head_weight(x.dtype), x.dtype) if head else None
         if cache is not None:
             cache = cache.with_lengths(cache.lengths + t)
         return ModelOutput(logits, jnp.stack(routed, axis=2), moe_lib.load_balancing_loss(stats, cfg.num_experts), cache,

@@ -26,9 +26,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl_fp8.model import numerics
-from jaxrl_fp8.model.matmul import high_precision_linear
+from jaxrl_fp8.model.matmul import head_logits
 from jaxrl_fp8.rl.losses import entropy_from_log_softmax
 from jaxrl_fp8.rollout.sampling import effective_temperature, tempered_logits
 
@@ -38,20 +39,30 @@ F32 = jnp.float32
 def token_stats(logits: jax.Array, targets: jax.Array, temperature, with_entropy: bool = True):
     """(log-probs, entropies or None), float32 `[...]`, of `targets` `[...]` under `logits` `[..., V]` at
     `temperature` (a scalar or `[...]`; 0 = greedy, measured at 1): `token_logprobs` and `entropy_from_logits` of the
-    tempered logits, bit for bit, differentiable in `logits` only (closed-form backward, see module doc)."""
-    return _token_stats(bool(with_entropy), logits, targets, temperature)
+    tempered logits, bit for bit, differentiable in `logits` only (closed-form backward, see module doc).
+
+    A Python / NumPy scalar temperature (the trainer's) stays static through the custom_vjp: traced, it would become
+    a divisor `ieee_div` cannot skip at T = 1, materialised at the logits' shape (a [1706, 151936] float32 tensor of
+    ones, written once and re-read by a divide kernel in every chunk's forward and backward)."""
+    if isinstance(temperature, (int, float, np.number)):
+        return _token_stats(bool(with_entropy), float(temperature), logits, targets, None)
+    return _token_stats(bool(with_entropy), None, logits, targets, temperature)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _token_stats(with_entropy, logits, targets, temperature):
-    return _token_stats_fwd(with_entropy, logits, targets, temperature)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _token_stats(with_entropy, static_temperature, logits, targets, temperature):
+    return _token_stats_fwd(with_entropy, static_temperature, logits, targets, temperature)[0]
 
 
-def _token_stats_fwd(with_entropy, logits, targets, temperature):
+def _temperature(static_temperature, temperature):
+    return temperature if static_temperature is None else static_temperature
+
+
+def _token_stats_fwd(with_entropy, static_temperature, logits, targets, temperature):
     # one log-softmax for both (the ops of token_logprobs and entropy_from_logits, so their bits): three vocabulary
     # passes (max, the pairwise normaliser, the entropy's sum). The residuals are the logits alone: under the chunk's
     # remat the backward then rebuilds only the head's product, none of these passes.
-    logp_all = numerics.log_softmax(tempered_logits(logits, temperature))
+    logp_all = numerics.log_softmax(tempered_logits(logits, _temperature(static_temperature, temperature)))
     logp = numerics.pick_logprobs(logp_all, targets)
     ent = entropy_from_log_softmax(logp_all) if with_entropy else None
     return (logp, ent), (logits, targets, temperature)
@@ -65,19 +76,27 @@ def _backward_log_softmax():
     return numerics.log_softmax if jax.default_backend() == "cpu" else functools.partial(jax.nn.log_softmax, axis=-1)
 
 
-def _token_stats_bwd(with_entropy, res, cts):
+def _token_stats_bwd(with_entropy, static_temperature, res, cts):
     logits, targets, temperature = res
     g_logp, g_ent = cts
+    temperature = _temperature(static_temperature, temperature)
     z = tempered_logits(logits, temperature)
     logp_all = _backward_log_softmax()(z)
     p = jnp.exp(logp_all)
+    # d/dlogits = d/dz / T: the 1/T folds into the per-position coefficients (no divide over the vocabulary; the
+    # backward keeps no bits, so the order of the scaling is free), and at a static T = 1 it is no op at all
+    if static_temperature is None:
+        inv_t = 1.0 / jnp.asarray(effective_temperature(temperature))
+        g_logp = g_logp * inv_t
+        g_ent = g_ent * inv_t if with_entropy else None
+    elif static_temperature > 0 and static_temperature != 1.0:
+        g_logp = g_logp * F32(1.0 / static_temperature)
+        g_ent = g_ent * F32(1.0 / static_temperature) if with_entropy else None
     onehot = jnp.arange(z.shape[-1], dtype=jnp.int32) == jnp.asarray(targets, jnp.int32)[..., None]
-    dz = g_logp[..., None] * (onehot.astype(F32) - p)
+    dlogits = g_logp[..., None] * (onehot.astype(F32) - p)
     if with_entropy:  # the entropy of this backward's own p (a coefficient: no bits to keep)
         ent = entropy_from_log_softmax(logp_all)
-        dz = dz - g_ent[..., None] * p * (logp_all + ent[..., None])
-    t = jnp.asarray(effective_temperature(temperature))
-    dlogits = dz / t[..., None] if t.ndim else dz / t
+        dlogits = dlogits - g_ent[..., None] * p * (logp_all + ent[..., None])
     return dlogits.astype(logits.dtype), None, None
 
 
@@ -117,7 +136,7 @@ def chunked_token_stats(hidden: jax.Array, head: jax.Array, targets: jax.Array, 
     @jax.checkpoint
     def one(args):
         hc, tc = args
-        logits = high_precision_linear(hc, head_f32.astype(head_dtype), F32)
+        logits = head_logits(hc, head_f32, head_dtype)
         logp, ent = token_stats(logits, tc, temperature, with_entropy)
         return (logp, ent) if with_entropy else (logp,)
 
