@@ -63,3 +63,16 @@ def test_bf16_backward_has_two_bf16_products_and_no_split():
     for line in dots:
         operands = re.search(r":\s*\((.*?)\)\s*->", line).group(1)
         assert operands.count("bf16") == 2, line
+
+
+def test_a_precast_compute_copy_gives_the_same_values_and_gradients():
+    x, w, g = _inputs(4)
+    w32 = w.astype(F32)
+    plain = jax.vjp(lambda x_, w_: head_logits(x_, w_, BF16), x, w32)
+    precast = jax.vjp(lambda x_, w_: head_logits(x_, w_, BF16, w_compute=w), x, w32)  # w closed over: no gradient path
+    np.testing.assert_array_equal(np.asarray(plain[0]), np.asarray(precast[0]))
+    for a, b in zip(plain[1](g), precast[1](g)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="w_compute"):
+        head_logits(x, w32, BF16, w_compute=w32)

@@ -128,15 +128,15 @@ def chunked_token_stats(hidden: jax.Array, head: jax.Array, targets: jax.Array, 
     pad = chunks * chunk - n
     flat_h = jnp.pad(hidden.reshape(n, h), ((0, pad), (0, 0)))
     flat_t = jnp.pad(targets.reshape(n).astype(jnp.int32), (0, pad))
-    # the map closes over a float32 copy: the chunks' head gradients then add up in float32 and are rounded to the
-    # head's dtype once (as the unchunked product's accumulation is); each chunk multiplies the head in its own
-    # dtype (an exact round trip), so the forward bits do not change
-    head_dtype, head_f32 = head.dtype, head.astype(F32)
+    # the map closes over a float32 copy for the gradient: the chunks' head gradients then add up in float32 and are
+    # rounded to the head's dtype once (as the unchunked product's accumulation is); each chunk multiplies the head
+    # as given (its compute dtype), so the forward bits do not change and nothing is cast per chunk
+    head_f32 = head.astype(F32)
 
     @jax.checkpoint
     def one(args):
         hc, tc = args
-        logits = head_logits(hc, head_f32, head_dtype)
+        logits = head_logits(hc, head_f32, head.dtype, w_compute=head)
         logp, ent = token_stats(logits, tc, temperature, with_entropy)
         return (logp, ent) if with_entropy else (logp,)
 
