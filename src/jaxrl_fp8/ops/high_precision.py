@@ -136,9 +136,9 @@ def split_dot_general(a: jax.Array, b: jax.Array, dimension_numbers) -> jax.Arra
     """float32 `lax.dot_general(a, b, dimension_numbers)` from the operands' BF16 heads and tails, hi.hi + (hi.lo +
     lo.hi), each an XLA dot of BF16 operands with float32 accumulation; a BF16 operand has no tail (fewer products).
 
-    The backward of the split form. Why not the float32 dot: on a GPU a HIGHEST float32 x float32 product is a SIMT
-    kernel (cutlass simt sgemm), ~14x slower than the BF16 tensor-core products; for the lm_head's two gradient
-    products at Qwen3's vocabulary that was 62 of an update's 141 ms (H200, 2,560 tokens). The error stays inside
+    The backward of the split form (the router's and the dense BF16 products'; the lm_head's backward is one BF16
+    product per gradient, `model.matmul.head_logits`). Why not the float32 dot: on a GPU a HIGHEST float32 x float32
+    product is a SIMT kernel (cutlass simt sgemm), ~14x slower than the BF16 tensor-core products. The error stays inside
     the split's bound (2^-15 of |a|.|b|), as the forward's does. Not row invariant on a GPU (cuBLAS), which the
     gradient need not be: it enters no rollout / trainer comparison.
     """

@@ -85,13 +85,10 @@ def _token_stats_bwd(with_entropy, static_temperature, res, cts):
     p = jnp.exp(logp_all)
     # d/dlogits = d/dz / T: the 1/T folds into the per-position coefficients (no divide over the vocabulary; the
     # backward keeps no bits, so the order of the scaling is free), and at a static T = 1 it is no op at all
-    if static_temperature is None:
-        inv_t = 1.0 / jnp.asarray(effective_temperature(temperature))
-        g_logp = g_logp * inv_t
-        g_ent = g_ent * inv_t if with_entropy else None
-    elif static_temperature > 0 and static_temperature != 1.0:
-        g_logp = g_logp * F32(1.0 / static_temperature)
-        g_ent = g_ent * F32(1.0 / static_temperature) if with_entropy else None
+    t = effective_temperature(temperature)
+    if not (isinstance(t, float) and t == 1.0):
+        g_logp = g_logp * (1.0 / t)
+        g_ent = g_ent * (1.0 / t) if with_entropy else None
     onehot = jnp.arange(z.shape[-1], dtype=jnp.int32) == jnp.asarray(targets, jnp.int32)[..., None]
     dlogits = g_logp[..., None] * (onehot.astype(F32) - p)
     if with_entropy:  # the entropy of this backward's own p (a coefficient: no bits to keep)

@@ -42,8 +42,11 @@ __all__ = [
 ]
 
 
-def effective_temperature(temperature: jax.Array) -> jax.Array:
-    """The divisor of the logits: T, or 1 for greedy rows (T == 0)."""
+def effective_temperature(temperature):
+    """The divisor of the logits: T, or 1 for greedy rows (T == 0). A Python / NumPy scalar gives a Python float
+    (static: a divisor of exactly 1 can then be skipped), anything else a float32 array."""
+    if isinstance(temperature, (int, float, np.number)):
+        return float(temperature) if temperature > 0 else 1.0
     temperature = jnp.asarray(temperature, F32)
     return jnp.where(temperature > 0, temperature, F32(1.0))
 
@@ -51,10 +54,8 @@ def effective_temperature(temperature: jax.Array) -> jax.Array:
 def tempered_logits(logits: jax.Array, temperature) -> jax.Array:
     """float32 `logits / T` with IEEE division; `temperature` broadcasts against `logits.shape[:-1]`. A Python /
     NumPy scalar stays one, so that at T = 1 (or greedy 0) `ieee_div` skips its exact division by 1."""
-    if isinstance(temperature, (int, float, np.number)):
-        t = float(temperature) if temperature > 0 else 1.0  # effective_temperature, on the host
-        return ieee_div(logits.astype(F32), t)
-    return ieee_div(logits.astype(F32), jnp.asarray(effective_temperature(temperature))[..., None])
+    t = effective_temperature(temperature)
+    return ieee_div(logits.astype(F32), t if isinstance(t, float) else t[..., None])
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature=1.0) -> jax.Array:
