@@ -52,6 +52,19 @@ def test_interpret_row_invariance_across_block_offsets_and_m1():
     np.testing.assert_array_equal(one, full[70:71])
 
 
+def test_dense_single_row_block_walks_columns_with_the_same_bits():
+    """One group of at most one CTA row block (a decode lm_head) takes the column-order walk; any tiling gives the
+    bits of the default band walk, and two row blocks keep the default."""
+    assert G.default_config(1, 64).grid_minor_dim == 1 and G.default_config(1, 256) == G.Bf16GroupedConfig()
+    assert G.default_config(8, 64) == G.Bf16GroupedConfig()
+    x, w = _operands(4, 64, 1, 512, 128)
+    gs = jnp.asarray([64], jnp.int32)
+    walked = np.asarray(G.grouped_matmul(x, w, gs, interpret=True))
+    band = np.asarray(G.grouped_matmul(x, w, gs, interpret=True, config=G.Bf16GroupedConfig()))
+    np.testing.assert_array_equal(walked.view(np.uint32), band.view(np.uint32))
+    _check(walked, x, w, gs)
+
+
 def test_interpret_bf16_output_and_padding_rows():
     x, w = _operands(3, 100, 4, 128, 64)
     gs = jnp.asarray([10, 0, 20, 30], jnp.int32)  # rows 60..99 belong to no group

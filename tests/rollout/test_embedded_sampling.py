@@ -237,3 +237,32 @@ def test_gumbel_noise_row_invariant(vocab):
         np.testing.assert_array_equal(one[0].view(np.uint32), full[r].view(np.uint32))
     assert np.isfinite(full).all()
     assert abs(full.mean() - 0.5772) < 0.05  # Euler-Mascheroni: the Gumbel mean
+
+
+def test_noise_bits_are_uniform_and_uncorrelated():
+    """The counter-based bits, as a generator: each bit is 1 half the time, the open uniforms have the moments of
+    U(0, 1) and a flat histogram, and neighbours (next index, next row, next step of one seed) are uncorrelated."""
+    seeds = jnp.arange(64) * 7919 + 3
+    bits = np.asarray(S.noise_bits(S.row_keys(seeds, jnp.zeros(64, jnp.int32)), 4096))
+    n = bits.size
+    ones = np.unpackbits(bits.view(np.uint8)).reshape(-1, 32).mean(axis=0)
+    assert np.all(np.abs(ones - 0.5) < 5 * 0.5 / np.sqrt(n)), ones
+    u = np.asarray(S.open_uniform(jnp.asarray(bits))).astype(np.float64)
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / n)
+    assert abs(u.var() - 1 / 12) < 5 * np.sqrt(1 / 180 / n)
+    counts = np.histogram(u, bins=64, range=(0, 1))[0]
+    chi2 = ((counts - n / 64) ** 2 / (n / 64)).sum()
+    assert chi2 < 63 + 6 * np.sqrt(2 * 63), chi2  # 6 sigma of chi-square with 63 degrees of freedom
+    later = np.asarray(S.open_uniform(S.noise_bits(S.row_keys(seeds, jnp.ones(64, jnp.int32)), 4096))).astype(np.float64)
+    bound = 5 / np.sqrt(n)
+    for a, b in ((u[:, 1:], u[:, :-1]), (u[1:], u[:-1]), (u, later)):
+        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < bound
+
+
+def test_gumbel_noise_has_the_gumbel_moments():
+    keys = S.row_keys(jnp.arange(32) + 11, jnp.full((32,), 5))
+    g = np.asarray(S.gumbel_noise(keys, 8192)).astype(np.float64)
+    assert np.isfinite(g).all()
+    assert abs(g.mean() - 0.5772157) < 0.01  # Euler-Mascheroni
+    assert abs(g.var() - np.pi**2 / 6) < 0.03
