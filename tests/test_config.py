@@ -30,6 +30,7 @@ def test_defaults_and_shipped_configs_validate():
     ("rollout.scheduler", "eager", "config.rollout.scheduler"),
     ("rollout.kv_pages", -1, "config.rollout.kv_pages: must be an int >= 0"),
     ("rollout.refill_every", 0, "config.rollout.refill_every: must be an int >= 1"),
+    ("rollout.refill_batch", -1, "config.rollout.refill_batch: must be an int >= 0"),
     ("rl.micro_batch_rows", -2, "config.rl.micro_batch_rows: must be an int >= 0"),
     ("rl.micro_batch_rows", 5, "config.rl.micro_batch_rows: 5 must divide the minibatch"),
     ("rl.logit_chunk_tokens", -1, "config.rl.logit_chunk_tokens: must be an int >= 0"),

@@ -66,7 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--slots", type=int, default=256, help="EngineConfig.max_batch (decode slots / static chunk rows)")
     p.add_argument("--kv-pages", type=int, default=0, help="EngineConfig.kv_pages (0: slots x pages of the longest row)")
-    p.add_argument("--refill-every", type=int, default=64)
+    p.add_argument("--refill-every", type=int, default=64, help="EngineConfig.refill_every")
+    p.add_argument("--refill-batch", type=int, default=0,
+                   help="EngineConfig.refill_batch (0: the engine's default, slots // 32): finished slots per refill")
     p.add_argument("--recipes", default="bf16,fp8_block")
     p.add_argument("--schedulers", default="continuous,static")
     p.add_argument("--static-order", default="request", choices=["request", "sorted"])
@@ -376,6 +378,7 @@ def main(argv=None) -> int:
                 "decode_steps_from_lengths": step_counts(lengths, args.samples, args.slots),
             },
             "engine": {"slots": args.slots, "kv_pages": args.kv_pages, "refill_every": args.refill_every,
+                       "refill_batch": EngineConfig(max_batch=args.slots, refill_batch=args.refill_batch).effective_refill_batch,
                        "static_order": args.static_order, "static_shapes": args.static_shapes},
             "bandwidth": {"hbm_spec_Bps": decode_bench.HBM_SPEC_BPS, "copy_measured_Bps": bw_copy, "copy_mib": args.copy_mib},
             "notes": [
@@ -404,6 +407,7 @@ def main(argv=None) -> int:
             seq = args.prompt_len + args.max_len
             ec = EngineConfig(
                 max_batch=args.slots, max_seq_len=seq, kv_pages=args.kv_pages, refill_every=args.refill_every,
+                refill_batch=args.refill_batch,
                 scheduler=scheduler, progress=args.progress and scheduler == "continuous", static_shapes=args.static_shapes,
                 # every static chunk shares the response-buffer and cache-length buckets: one program per pool size
                 min_new_bucket=1 << (args.max_len - 1).bit_length(), min_cache_bucket=1 << (seq - 1).bit_length())

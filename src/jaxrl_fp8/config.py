@@ -105,6 +105,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.scheduler = "continuous"
     c.rollout.kv_pages = 0
     c.rollout.refill_every = 64
+    c.rollout.refill_batch = 0  # slots that finish before a refill while rows wait (0: max_batch // 32, at least 1)
 
     c.rl = ml_collections.ConfigDict()
     c.rl.advantage = "grpo"  # grpo | rloo | reinforce
@@ -224,6 +225,8 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
            f"{r.get('scheduler')!r}: continuous | static")
     _check(_is_int(r.get("kv_pages", 0)) and r.get("kv_pages", 0) >= 0, "rollout.kv_pages", "must be an int >= 0 (0: the default)")
     _check(_is_int(r.get("refill_every", 64)) and r.get("refill_every", 64) >= 1, "rollout.refill_every", "must be an int >= 1")
+    _check(_is_int(r.get("refill_batch", 0)) and r.get("refill_batch", 0) >= 0, "rollout.refill_batch",
+           "must be an int >= 0 (0: the default)")
     rl = c.rl
     _check(rl.advantage in ("grpo", "rloo", "reinforce"), "rl.advantage", f"{rl.advantage!r}: grpo | rloo | reinforce")
     _check(0 < rl.eps_clip < 1, "rl.eps_clip", "must be in (0, 1)")

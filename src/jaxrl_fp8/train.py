@@ -150,7 +150,8 @@ def _engine_and_push(c, model, recipe, train_policy, seq_len, tokenizer, plan=No
             placement = CollocatedPlacement(plan, moe=model.cfg.is_moe)  # the trainer's mesh and sharded weights
         engine_config = EngineConfig(max_batch=c.rollout.max_batch, max_seq_len=seq_len, eos_token_ids=tuple(tokenizer.stop_ids),
                                      seed=c.seed, scheduler=c.rollout.get("scheduler", "continuous"),
-                                     kv_pages=c.rollout.get("kv_pages", 0), refill_every=c.rollout.get("refill_every", 64))
+                                     kv_pages=c.rollout.get("kv_pages", 0), refill_every=c.rollout.get("refill_every", 64),
+                                     refill_batch=c.rollout.get("refill_batch", 0))
         engine = EmbeddedEngine(model, recipe=recipe, policy=train_policy, engine_config=engine_config, placement=placement)
         return engine, engine.update_params
     from jaxrl_fp8.rollout.sglang_engine import SGLangFleetEngine

@@ -58,10 +58,22 @@ def static_reference(policy):
 def test_config_knobs_are_validated():
     for bad, field in ((dict(scheduler="eager"), "scheduler"), (dict(refill_every=0), "refill_every"),
                        (dict(max_prefill_tokens=0), "max_prefill_tokens"), (dict(prefix_sharing=1), "prefix_sharing"),
-                       (dict(progress="yes"), "progress"), (dict(kv_pages=-1), "kv_pages")):
+                       (dict(progress="yes"), "progress"), (dict(kv_pages=-1), "kv_pages"),
+                       (dict(refill_batch=-1), "refill_batch")):
         with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
             EngineConfig(**bad)
     assert EngineConfig().scheduler == "continuous" and EngineConfig().refill_every == 64
+    assert EngineConfig(max_batch=256).effective_refill_batch == 8 and EngineConfig(max_batch=4).effective_refill_batch == 1
+    assert EngineConfig(max_batch=4, refill_batch=3).effective_refill_batch == 3
+
+
+def test_refill_batch_gives_the_same_bits_with_fewer_refills(policy, static_reference):
+    """Waiting for 3 finished slots before a refill (instead of each one) changes when rows enter, not their bits."""
+    one = _engine(policy, refill_batch=1)
+    _same(one.generate(PROMPTS, PARAMS, return_routed_experts=True), static_reference)
+    three = _engine(policy, refill_batch=3)
+    _same(three.generate(PROMPTS, PARAMS, return_routed_experts=True), static_reference)
+    assert three.last_stats["decode_calls"] < one.last_stats["decode_calls"]
 
 
 def test_slot_refill_matches_static_and_each_row_alone(policy, static_reference):

@@ -8,8 +8,8 @@ One `generate` call = one `ContinuousScheduler.run()`:
   program compiles once per call shape, never per refill;
 - waiting rows are queued by prompt (a GRPO group's samples, and identical prompts of different requests, side
   by side), longest group first (long rows start early, so the tail is short);
-- the device decodes in `programs.decode_slots` until a slot finishes while rows wait, or `refill_every` steps,
-  or every slot is done; the host then reads which slots finished (two [S] arrays), gathers their buffers
+- the device decodes in `programs.decode_slots` until `refill_batch` slots finished while rows wait (as many as
+  wait, if fewer), or `refill_every` steps, or every slot is done; the host then reads which slots finished (two [S] arrays), gathers their buffers
   (`take_rows`), releases their pages, and admits waiting rows into the free slots;
 - admission: the first row of a prompt not in the pool is its leader: it allocates every page its prompt +
   max_new_tokens need and its prompt is prefilled (`prefill_prompts`, bucketed rows x prompt length, at most
@@ -136,7 +136,8 @@ class ContinuousScheduler:
                         raise RuntimeError(f"continuous scheduler: {len(self.waiting)} rows wait on an idle engine")
                     break
                 self.s, steps, busy = programs.decode_slots(
-                    w.graphdef, w.state, self.s, ec.refill_every, 1 if self.waiting else 0, precision=eng.precision,
+                    w.graphdef, w.state, self.s, ec.refill_every, min(ec.effective_refill_batch, len(self.waiting)),
+                    precision=eng.precision,
                     plain=self.plain)
                 st["decode_calls"] += 1
                 st["decode_steps"] += int(steps)
