@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
 from timing import bench, write_results  # noqa: E402
 
 from pallas_kernels import attention as A  # noqa: E402
@@ -109,12 +110,6 @@ def decode_points(batches, lengths, iters, copy_bps, results, out):
             del kp, vp
 
 
-def copy_bandwidth() -> float:
-    x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
-    med, _ = bench(jax.jit(lambda x: x + 0), x, iters=10)  # reads + writes 1 GiB each
-    return 2 * x.nbytes / med
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="1024,4096,8192,16384", help="training sequence lengths T")
@@ -138,7 +133,7 @@ def main(argv=None):
     if "train" not in skip:
         training_points([int(x) for x in a.lengths.split(",")], a.iters, results, a.out)
     if "decode" not in skip:
-        bps = copy_bandwidth()
+        bps = timing.copy_bandwidth(1024)
         results["copy_bytes_per_s"] = bps
         decode_points([int(x) for x in a.decode_batches.split(",")], [int(x) for x in a.decode_lengths.split(",")],
                       a.iters, bps, results, a.out)

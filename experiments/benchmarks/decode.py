@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_slice import add_model_slice_args, apply_tiny_slice, model_config_from_args, slice_fields  # noqa: E402
+import timing  # noqa: E402
 from timing import write_results  # noqa: E402
 
 HBM_SPEC_BPS = 4.8e12  # H200 datasheet
@@ -60,20 +61,8 @@ def parse_args(argv=None):
 
 
 def copy_bandwidth(mib: int) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted), best of 5."""
-    import jax
-    import jax.numpy as jnp
-
-    n = mib * 2**20 // 4
-    x = jnp.arange(n, dtype=jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)  # one read and one write per element, no reuse
-    f(x).block_until_ready()
-    best = math.inf
-    for _ in range(5):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n * 4 / best
+    """The copy-bandwidth anchor of the roofline (`timing.copy_bandwidth`)."""
+    return timing.copy_bandwidth(mib)
 
 
 def param_counts(cfg, model) -> dict:

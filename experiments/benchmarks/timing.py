@@ -45,6 +45,35 @@ def bench_detail(fn, *args, iters: int = 20, warmup: int = 3, reps: int = 5) -> 
             "enqueue_median_s": statistics.median(enqueue)}
 
 
+def copy_bandwidth(mib: int = 2048, warmup_s: float = 1.0) -> float:
+    """Bytes/s of a device-to-device copy (one read and one write an element: x + 1 in float32), the anchor every
+    roofline here divides by: the best of 5 rounds of 20 chained copies, after `warmup_s` of copying. Why the
+    warm-up and the rounds: best-of-5 single copies straight after start-up measured 2.40-2.50 TB/s on an H100
+    where warmed rounds measure ~2.9 (the memory clock had not ramped, and a single copy also times its own
+    dispatch and sync), which made the decode roofline fractions look ~20 % better than they were. Chained (each
+    copy reads the last one's output), so at most two buffers are alive."""
+    import jax.numpy as jnp
+
+    x = jnp.arange(mib * 2**20 // 4, dtype=jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+
+    def chain(y, n):
+        for _ in range(n):
+            y = f(y)
+        return jax.block_until_ready(y)
+
+    chain(x, 1)
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_s:
+        chain(x, 10)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        chain(x, 20)
+        best = min(best, (time.perf_counter() - t) / 20)
+    return 2 * x.nbytes / best
+
+
 def write_results(path: str, obj) -> None:
     """JSON to `path` through a temp file in the same folder, renamed into place (a cut-short run leaves the
     previous file intact, never half a file)."""
