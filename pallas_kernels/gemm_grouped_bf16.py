@@ -47,15 +47,21 @@ class Bf16GroupedConfig:
 
 
 def default_config(groups: int, rows: int) -> Bf16GroupedConfig:
-    """The tiling `grouped_matmul` uses unless given one. A dense product (one group) of at most one CTA row block
-    (the decode step's lm_head and router) walks its column tiles in order (grid_minor_dim 1): the lm_head at 64
-    rows took 0.26 ms instead of 0.31 (H100, results/vocab_side_h100.json). With two row blocks (256 rows) the default
-    band, which runs a weight tile's row blocks together, stays faster (0.43 against 0.47 ms). A tiling never
-    changes a row's K order, so the bits are the same (tested)."""
+    """The tiling `grouped_matmul` uses unless given one. Grouped (MoE) products keep `Bf16GroupedConfig()`. A dense
+    product (one group) of at most 1024 rows - the decode step's lm_head and router, a prefill's - is latency-bound
+    on its weight stream: it takes five stages, and a walk by row count, measured on the lm_head ([rows, 2048] x
+    [151936, 2048]^T, H100, results/vocab_side_h100.json, against four stages in the band of 16):
+      <= 128 rows (one CTA row block): the column tiles in order, 0.25 ms at 64 rows (0.31);
+      <= 256 rows: bands of 2 column tiles, a weight tile's two row blocks together, 0.31 ms (0.42; cuBLAS 0.29);
+      <= 1024 rows: the same bands, walked along the columns, 0.55 / 1.10 ms at 512 / 1024 (0.60 / 1.27).
+    At 2048 rows the default band stays faster (2.10 ms against 2.20). A tiling never changes a row's K order, so
+    every one gives the same bits (tested; on the GPU in the benchmark)."""
     cfg = Bf16GroupedConfig()
-    if groups == 1 and rows <= 2 * cfg.tile_m:
-        return dataclasses.replace(cfg, grid_minor_dim=1)
-    return cfg
+    if groups != 1 or rows > 1024:
+        return cfg
+    if rows <= 2 * cfg.tile_m:
+        return dataclasses.replace(cfg, max_concurrent_steps=5, grid_minor_dim=1)
+    return dataclasses.replace(cfg, max_concurrent_steps=5, grid_tile_width=2, grid_minor_dim=0 if rows <= 256 else 1)
 
 
 def supports(out_width: int, contraction: int, cfg: Bf16GroupedConfig | None = None) -> bool:

@@ -5,9 +5,9 @@ step_profile_decode256_h100.json): the BF16 lm_head product ([rows, 2048] x [151
 grouped BF16 kernel) and the sampler's Gumbel noise over [rows, 151936] (one fused reduce). This script times, at
 decode row counts and in one run:
 
-  * lm_head: our BF16 kernel per tiling (bits compared with the default tiling: a tiling never changes a row's
-    K order, so every tiling must give the same bits), cuBLAS (XLA dot, not row invariant) as the anchor, and
-    the weight-read time at the copy bandwidth measured in the same run;
+  * lm_head: our BF16 kernel under the tiling `gemm_grouped_bf16.default_config` picks for the row count against
+    the grouped kernels' default tiling (bits compared: a tiling never changes a row's K order), cuBLAS (XLA dot,
+    not row invariant) as the anchor, and the weight-read time at the copy bandwidth measured in the same run;
   * noise: the drawn token argmax(z + gumbel) with the sampler's counter-based bits, its bits alone, jax.random's
     threefry bits under the same transform (the anchor) and the whole plain sampler.
 
@@ -69,10 +69,6 @@ def noise_points(rows_list, vocab, out):
 def head_points(rows_list, vocab, hidden, bw, out, interpret: bool):
     from pallas_kernels import gemm_grouped_bf16 as g
 
-    # the two walks `default_config` chooses between by row count (the band, default; columns in order); tilings of
-    # 128 rows a warpgroup, 64-wide columns or six stages lost to both on an H100 (results/vocab_side_h100.json)
-    C = g.Bf16GroupedConfig
-    configs = [C(), C(grid_minor_dim=1)]
     key = jax.random.key(1)
     w = (jax.random.normal(key, (vocab, hidden), F32) * 0.02).astype(jnp.bfloat16)
     for rows in rows_list:
@@ -86,11 +82,11 @@ def head_points(rows_list, vocab, hidden, bw, out, interpret: bool):
             out.append({"kind": "lm_head", "impl": "cuBLAS (XLA dot)", "rows": rows, "median_ms": t * 1e3,
                         "weight_read_ms_at_copy_bw": roof})
             print(f"lm_head rows {rows:4d} cuBLAS {t * 1e3:.4f} ms (weight read at copy bw {roof:.4f} ms)")
-        for cfg in configs:
-            if vocab % cfg.tile_n:
-                continue
+        # the tiling `default_config` picks for these rows against the grouped kernels' default (the band of 16, four
+        # stages); the other tilings measured lost (the JSON's head_tilings_explored)
+        for which, cfg in (("picked by rows", g.default_config(1, rows)), ("grouped default", g.Bf16GroupedConfig())):
             f = jax.jit(lambda x, w, cfg=cfg: g.grouped_matmul(x, w[None], sizes, config=cfg, interpret=interpret))
-            label = f"ours {cfg.tile_m}x{cfg.tile_n} s{cfg.max_concurrent_steps} w{cfg.grid_tile_width} minor{cfg.grid_minor_dim}"
+            label = f"ours, {which}: s{cfg.max_concurrent_steps} w{cfg.grid_tile_width} minor{cfg.grid_minor_dim}"
             try:
                 y = np.asarray(f(x, w))
                 t, _ = bench(f, x, w, iters=5 if interpret else 20, reps=1 if interpret else 5)
@@ -107,7 +103,7 @@ def head_points(rows_list, vocab, hidden, bw, out, interpret: bool):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="64,256", help="decode row counts")
+    p.add_argument("--rows", default="64,128,256,512,1024", help="decode / prefill row counts")
     p.add_argument("--parts", default="head,noise", help="comma list of head, noise")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: vocab 1024, hidden 128, the kernel interpreted")
     p.add_argument("--out", default=None, help="JSON path (written after each part)")

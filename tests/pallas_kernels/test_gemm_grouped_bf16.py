@@ -52,17 +52,24 @@ def test_interpret_row_invariance_across_block_offsets_and_m1():
     np.testing.assert_array_equal(one, full[70:71])
 
 
-def test_dense_single_row_block_walks_columns_with_the_same_bits():
-    """One group of at most one CTA row block (a decode lm_head) takes the column-order walk; any tiling gives the
-    bits of the default band walk, and two row blocks keep the default."""
-    assert G.default_config(1, 64).grid_minor_dim == 1 and G.default_config(1, 256) == G.Bf16GroupedConfig()
-    assert G.default_config(8, 64) == G.Bf16GroupedConfig()
-    x, w = _operands(4, 64, 1, 512, 128)
-    gs = jnp.asarray([64], jnp.int32)
-    walked = np.asarray(G.grouped_matmul(x, w, gs, interpret=True))
-    band = np.asarray(G.grouped_matmul(x, w, gs, interpret=True, config=G.Bf16GroupedConfig()))
-    np.testing.assert_array_equal(walked.view(np.uint32), band.view(np.uint32))
-    _check(walked, x, w, gs)
+@pytest.mark.parametrize("rows", [1, 64, 200, 300])
+def test_dense_decode_tilings_give_the_default_bits(rows):
+    """A dense product of decode / prefill rows takes its row-count tiling (`default_config`); every one gives the bits
+    of the grouped kernels' default tiling. Grouped products and large M keep the default."""
+    x, w = _operands(4, rows, 1, 512, 128)
+    gs = jnp.asarray([rows], jnp.int32)
+    picked = np.asarray(G.grouped_matmul(x, w, gs, interpret=True))
+    default = np.asarray(G.grouped_matmul(x, w, gs, interpret=True, config=G.Bf16GroupedConfig()))
+    np.testing.assert_array_equal(picked.view(np.uint32), default.view(np.uint32))
+    _check(picked, x, w, gs)
+
+
+def test_default_config_by_rows():
+    C = G.Bf16GroupedConfig
+    assert G.default_config(1, 64) == C(max_concurrent_steps=5, grid_minor_dim=1)
+    assert G.default_config(1, 256) == C(max_concurrent_steps=5, grid_tile_width=2, grid_minor_dim=0)
+    assert G.default_config(1, 1024) == C(max_concurrent_steps=5, grid_tile_width=2, grid_minor_dim=1)
+    assert G.default_config(1, 1025) == C() and G.default_config(8, 64) == C()
 
 
 def test_interpret_bf16_output_and_padding_rows():

@@ -91,8 +91,9 @@ def test_slot_refill_matches_static_and_each_row_alone(policy, static_reference)
         _same(alone, [out[i]])
     # fixed shapes per engine: refills and later calls reuse the programs (one compile each, at most)
     grown = [f._cache_size() - n for f, n in zip((programs.decode_slots, programs.prefill_prompts, programs.place_rows), sizes)]
-    # (stop-id width 1 and 64; decode_slots also per `plain` flag: rows all at T = 1 / greedy without filters or not)
-    assert grown[0] <= 4 and grown[1] <= 2 and grown[2] <= 2, grown
+    # (stop-id width 1 and 64; decode_slots and place_rows also per `plain` flag: rows all at T = 1 / greedy without
+    # filters or not)
+    assert grown[0] <= 4 and grown[1] <= 2 and grown[2] <= 4, grown
     other = _engine(policy, refill_every=64)  # a refill only when a slot frees: same bits
     _same(other.generate(PROMPTS, PARAMS, return_routed_experts=True), out)
     longest = max(s.response_ids.size for s in out)

@@ -272,12 +272,14 @@ def prefill_prompts(graphdef, state, s: SlotState, prompt_ids, prompt_lens, page
     return dataclasses.replace(s, cache=pool, prompt_logits=logits), out.routed_experts
 
 
-@functools.partial(jax.jit, donate_argnames=("s",))
-def place_rows(s: SlotState, slots, entries, page_table, prompt_lens, rows: _Rows, copy_src, copy_dst) -> SlotState:
+@functools.partial(jax.jit, static_argnames=("plain",), donate_argnames=("s",))
+def place_rows(s: SlotState, slots, entries, page_table, prompt_lens, rows: _Rows, copy_src, copy_dst, *,
+               plain: bool | None = None) -> SlotState:
     """Install rows into slots [A] (padding: S, dropped): first copy pool pages copy_src -> copy_dst [C] (a
     sample's own copy of its prompt's last page; padding dst: P, dropped), then draw response token 0 of each
     row from prompt_logits[entries] and set the slots' page tables [A, W], lengths (= prompt lengths), buffers
-    and sampling parameters."""
+    and sampling parameters. plain: as `decode_slots`' (the host knows every row's parameters, so the draw needs
+    no conditional, whose predicate a GPU reads back on the host)."""
     pool = s.cache
     k = tuple(x.at[copy_dst].set(x[copy_src], mode="drop") for x in pool.k)
     v = tuple(x.at[copy_dst].set(x[copy_src], mode="drop") for x in pool.v)
@@ -285,7 +287,8 @@ def place_rows(s: SlotState, slots, entries, page_table, prompt_lens, rows: _Row
     logits = s.prompt_logits[entries]
     done = rows.max_new <= 0
     zeros = jnp.zeros((a,), jnp.int32)
-    tok, lp = sampling.sample_with_logprobs(logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, zeros)
+    tok, lp = sampling.sample_with_logprobs(logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, zeros,
+                                            plain=plain)
     active = ~done
     tokens = jnp.zeros((a, n), jnp.int32).at[:, 0].set(jnp.where(active, tok, 0))
     logprobs = jnp.zeros((a, n), jnp.float32).at[:, 0].set(jnp.where(active, lp, 0.0))

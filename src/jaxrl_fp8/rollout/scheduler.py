@@ -297,5 +297,5 @@ class ContinuousScheduler:
             if copy is not None:
                 src[j], dst[j] = copy
         rows = programs._Rows(temp, top_k, top_p, seeds, mnew, stop_ids)
-        self.s = programs.place_rows(self.s, slots, entries, table, lens, rows, src, dst)
+        self.s = programs.place_rows(self.s, slots, entries, table, lens, rows, src, dst, plain=self.plain)
         st["place_calls"] += 1
