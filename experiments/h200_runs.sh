@@ -39,6 +39,11 @@
 #                                            # once a step instead of 4 times -> its own JSON (points key on recipe+length)
 #   bash experiments/h200_runs.sh kernels_vs_base  # decode attention + decode GEMMs of this tree vs a carried .base (below)
 #   bash experiments/h200_runs.sh flash_dq   # the dq kernel's 64- vs 128-key steps, fwd+bwd TFLOP/s beside cuDNN
+#   bash experiments/h200_runs.sh flash_dkv  # (~3 min) the backward's dk/dv kernel at 2 and 3 pipeline stages
+#                                            # (FlashConfig.bwd_dkv_stages), fwd+bwd TFLOP/s beside cuDNN, T = 4k / 16k
+#   bash experiments/h200_runs.sh paged_stages  # (~2 min) the paged decode kernel at 1 / 2 / 3 pipeline stages (fewer
+#                                            # leave shared memory for a second program per SM), batch 64 / 256, caches
+#                                            # 512 / 1k / 4k, against the copy roofline -> $OUT/attention_paged_stages_<card>.json
 #   bash experiments/h200_runs.sh pending    # (< 10 min) what the last build left unmeasured: the converters' GPU bit tests
 #                                            # (the export quantizes fp8-block on the trainer's kernel now), the decode
 #                                            # GEMM suite (grouped default: chains of two); the chains stage next
@@ -240,6 +245,11 @@ case "${1:-}" in
   flash_dq)  # (~3 min) the backward's dq kernel at 64- and 128-key steps (FlashConfig.bwd_dq_keys) beside cuDNN, T = 4k / 16k
     timeout 400 $PY experiments/benchmarks/attention.py --skip decode --lengths 4096,16384 --bwd-dq-keys 64,128 \
         --out "$OUT/attention_dq_variants_h200.json" 2>&1 | quiet | grep -E "^train" ;;
+  flash_dkv) timeout 400 $PY experiments/benchmarks/attention.py --skip decode --lengths 4096,16384 --bwd-dkv-stages 3 \
+      --out "$OUT/attention_dkv_stages_$(card_name).json" 2>&1 | quiet | grep -E "^train" ;;
+  paged_stages) timeout 300 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
+      --decode-lengths 512,1024,4096 --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
+      | grep -E "^decode" ;;
   decode_gemm) timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_gemm_grouped.py -p no:cacheprovider \
       2>&1 | tee "$OUT/decode_gemm_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
     timeout 300 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_h200.json" 2>&1 | quiet \

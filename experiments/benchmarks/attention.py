@@ -83,7 +83,12 @@ def training_points(lengths, iters, results, out):
         del q, k, v, g
 
 
-def decode_points(batches, lengths, iters, copy_bps, results, out):
+def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=()):
+    """The paged decode step per (batch, cache length) under the default config, and under each pipeline depth of
+    `stage_variants` (FlashConfig.paged_stages: fewer stages leave shared memory for a second program per SM; the
+    bits do not depend on it)."""
+    configs = [(None, A.FlashConfig())] + [(s, A.FlashConfig(paged_stages=s)) for s in stage_variants
+                                           if s != A.FlashConfig().paged_stages]
     for b in batches:
         for s in lengths:
             n_pages = s // A.BLOCK_KV
@@ -97,16 +102,20 @@ def decode_points(batches, lengths, iters, copy_bps, results, out):
             table = jnp.asarray(np.random.default_rng(0).permutation(pool).reshape(b, n_pages), jnp.int32)
             q = jax.random.normal(ks[2], (b, 1, H, D), BF16)
             pos = jnp.full((b, 1), s - 1, jnp.int32)
-            f = jax.jit(lambda q, kp, vp, table, pos: A.paged_attention(q, kp, vp, table, pos, scale=D**-0.5))
-            r = _time(f, q, kp, vp, table, pos, iters=iters)
-            row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, **r}
-            if "median_s" in r:
-                row["roofline_s"] = kv_bytes / copy_bps
-                row["fraction_of_roofline"] = row["roofline_s"] / r["median_s"]
-            results["points"].append(row)
-            print(f"decode B={b:4d} S={s:6d} {r.get('median_s', r.get('error'))} s  "
-                  f"roofline fraction {row.get('fraction_of_roofline')}", flush=True)
-            write_results(out, results)
+            for stages, cfg in configs:
+                f = jax.jit(lambda q, kp, vp, table, pos, cfg=cfg: A.paged_attention(q, kp, vp, table, pos,
+                                                                                     scale=D**-0.5, config=cfg))
+                r = _time(f, q, kp, vp, table, pos, iters=iters)
+                row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, **r}
+                if stages is not None:
+                    row["paged_stages"] = stages
+                if "median_s" in r:
+                    row["roofline_s"] = kv_bytes / copy_bps
+                    row["fraction_of_roofline"] = row["roofline_s"] / r["median_s"]
+                results["points"].append(row)
+                print(f"decode B={b:4d} S={s:6d} stages {cfg.paged_stages} {r.get('median_s', r.get('error'))} s  "
+                      f"roofline fraction {row.get('fraction_of_roofline')}", flush=True)
+                write_results(out, results)
             del kp, vp
 
 
@@ -121,6 +130,13 @@ def main(argv=None):
                    help="comma list of the backward dq kernel's keys per step (FlashConfig.bwd_dq_keys) to time as "
                         "separate 'flash' rows of the training points beside the default config's "
                         "(FlashConfig().bwd_dq_keys, 128; default: %(default)s)")
+    p.add_argument("--bwd-dkv-stages", default="",
+                   help="comma list of the backward dk/dv kernel's pipeline depths (FlashConfig.bwd_dkv_stages) to time "
+                        "as separate 'flash' rows beside the default's (2), e.g. 3")
+    p.add_argument("--paged-stages", default="",
+                   help="comma list of pipeline depths of the paged decode kernel (FlashConfig.paged_stages) to time "
+                        "beside the default's (3): e.g. 1,2 (one or two stages leave shared memory for a second "
+                        "program per SM)")
     p.add_argument("--out", default="experiments/benchmarks/results/attention_h200.json", help="JSON path")
     a = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -130,13 +146,16 @@ def main(argv=None):
     for keys in (int(x) for x in a.bwd_dq_keys.split(",") if x and int(x) != A.FlashConfig().bwd_dq_keys):
         cfg = A.FlashConfig(bwd_dq_keys=keys)
         IMPLS[f"flash (ours, dq {keys}-key steps)"] = lambda q, k, v, cfg=cfg: A.flash_attention(q, k, v, scale=D**-0.5, config=cfg)
+    for stages in (int(x) for x in a.bwd_dkv_stages.split(",") if x and int(x) != A.FlashConfig().bwd_dkv_stages):
+        cfg = A.FlashConfig(bwd_dkv_stages=stages)
+        IMPLS[f"flash (ours, dk/dv {stages} stages)"] = lambda q, k, v, cfg=cfg: A.flash_attention(q, k, v, scale=D**-0.5, config=cfg)
     if "train" not in skip:
         training_points([int(x) for x in a.lengths.split(",")], a.iters, results, a.out)
     if "decode" not in skip:
         bps = timing.copy_bandwidth(1024)
         results["copy_bytes_per_s"] = bps
         decode_points([int(x) for x in a.decode_batches.split(",")], [int(x) for x in a.decode_lengths.split(",")],
-                      a.iters, bps, results, a.out)
+                      a.iters, bps, results, a.out, [int(x) for x in a.paged_stages.split(",") if x])
     write_results(a.out, results)
 
 
