@@ -47,6 +47,11 @@
 #   bash experiments/h200_runs.sh pending    # (< 10 min) what the last build left unmeasured: the converters' GPU bit tests
 #                                            # (the export quantizes fp8-block on the trainer's kernel now), the decode
 #                                            # GEMM suite (grouped default: chains of two); the chains stage next
+#   bash experiments/h200_runs.sh pending_decode  # (~9 min) what build edf8209 left unmeasured on the rollout side: the
+#                                            # decode profile at 256 slots (the dense BF16 tilings inside the step), the
+#                                            # paged kernel's pipeline depths (256 rows, 512 / 1k caches), then the rollout workload (continuous, both
+#                                            # recipes, the warmed copy anchor) -> $OUT/step_profile_decode256_<card>.json,
+#                                            # $OUT/attention_paged_stages_<card>.json, $OUT/rollout_workload_<card>.json
 #   bash experiments/h200_runs.sh chains     # (~5 min) FP8 grouped forward / wgrad promotion chains: bit tests + timings
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
@@ -247,6 +252,12 @@ case "${1:-}" in
         --out "$OUT/attention_dq_variants_h200.json" 2>&1 | quiet | grep -E "^train" ;;
   flash_dkv) timeout 400 $PY experiments/benchmarks/attention.py --skip decode --lengths 4096,16384 --bwd-dkv-stages 3 \
       --out "$OUT/attention_dkv_stages_$(card_name).json" 2>&1 | quiet | grep -E "^train" ;;
+  pending_decode)
+    PROFILE_SLOTS=256 bash "$0" profile_decode 120
+    timeout 100 $PY experiments/benchmarks/attention.py --skip train --decode-batches 256 --decode-lengths 512,1024 \
+      --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet | grep -E "^decode"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 300 $PY experiments/benchmarks/rollout_workload.py --recipes bf16,fp8_block \
+      --schedulers continuous --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -8 ;;
   paged_stages) timeout 300 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
       --decode-lengths 512,1024,4096 --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
       | grep -E "^decode" ;;
