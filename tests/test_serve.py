@@ -142,5 +142,15 @@ def test_help_explains_every_flag():
     out = subprocess.run([sys.executable, "-m", "jaxrl_fp8.serve", "--help"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0
     for flag in ("--checkpoint", "--recipe", "--port", "--host", "--max-batch", "--max-seq-len", "--static-shapes",
-                 "--enable-return-routed-experts", "--eos-token-id", "--attention-impl"):
+                 "--enable-return-routed-experts", "--eos-token-id", "--attention-impl", "--refill-every",
+                 "--refill-batch"):
         assert flag in out.stdout
+
+
+@pytest.mark.parametrize("flag,value", [("--refill-batch", "-1"), ("--refill-every", "0"), ("--kv-pages", "-1")])
+def test_bad_scheduler_flags_name_themselves(flag, value, capsys):
+    from jaxrl_fp8.serve import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--checkpoint", "tiny", "--port", "0", flag, value])
+    assert exit_info.value.code == 2 and f"{flag} must be" in capsys.readouterr().err

@@ -72,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "samples share its pages; static: chunks of max-batch rows decoded until their longest row stops.")
     p.add_argument("--kv-pages", type=int, default=0,
                    help="KV page budget (0: max-batch rows of max-seq-len); rows wait for pages, never truncated.")
+    p.add_argument("--refill-every", type=int, default=64,
+                   help="continuous: most decode steps the device runs between two host refills.")
+    p.add_argument("--refill-batch", type=int, default=0,
+                   help="continuous: slots that finish before the device stops to refill while rows wait (0: "
+                   "max-batch // 32, at least 1); a refill costs host round trips, a finished slot idles meanwhile.")
     p.add_argument("--static-shapes", action="store_true",
                    help="Run every batch at (max-batch, max-seq-len) so exactly one program compiles; "
                    "default: shapes bucketed to powers of two.")
@@ -95,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.kv_pages < 0:
         p.error(f"--kv-pages must be >= 0 (0: the default), got {args.kv_pages}")
+    if args.refill_every < 1:
+        p.error(f"--refill-every must be >= 1, got {args.refill_every}")
+    if args.refill_batch < 0:
+        p.error(f"--refill-batch must be >= 0 (0: the default), got {args.refill_batch}")
     if args.batch_window_ms < 0:
         p.error(f"--batch-window-ms must be >= 0, got {args.batch_window_ms}")
     return args
@@ -158,7 +167,7 @@ def build_engine(args: argparse.Namespace):
     engine_config = EngineConfig(
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, eos_token_ids=tuple(eos), decode_loop=args.decode_loop,
         static_shapes=args.static_shapes, seed=args.seed, model_path=model_path, scheduler=args.scheduler,
-        kv_pages=args.kv_pages,
+        kv_pages=args.kv_pages, refill_every=args.refill_every, refill_batch=args.refill_batch,
     )
     return EmbeddedEngine(policy, recipe=recipe, engine_config=engine_config, weight_version=args.weight_version)
 
