@@ -41,6 +41,9 @@
 #   bash experiments/h200_runs.sh flash_dq   # the dq kernel's 64- vs 128-key steps, fwd+bwd TFLOP/s beside cuDNN
 #   bash experiments/h200_runs.sh flash_dkv  # (~3 min) the backward's dk/dv kernel at 2 and 3 pipeline stages
 #                                            # (FlashConfig.bwd_dkv_stages), fwd+bwd TFLOP/s beside cuDNN, T = 4k / 16k
+#   bash experiments/h200_runs.sh dense_decode  # (~3 min) the FP8 dense kernel on the attention projections at decode
+#                                            # rows (64 / 256): 64- and 32-wide column tiles, 4-8 stages, bits against the
+#                                            # default -> $OUT/gemm_dense_decode_<card>.json
 #   bash experiments/h200_runs.sh paged_stages  # (~2 min) the paged decode kernel at 1 / 2 / 3 pipeline stages (fewer
 #                                            # leave shared memory for a second program per SM), batch 64 / 256, caches
 #                                            # 512 / 1k / 4k, against the copy roofline -> $OUT/attention_paged_stages_<card>.json
@@ -258,6 +261,8 @@ case "${1:-}" in
       --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet | grep -E "^decode"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 300 $PY experiments/benchmarks/rollout_workload.py --recipes bf16,fp8_block \
       --schedulers continuous --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -8 ;;
+  dense_decode) timeout 300 $PY experiments/benchmarks/gemm.py --suites dense_decode \
+      --out "$OUT/gemm_dense_decode_$(card_name).json" 2>&1 | quiet | grep -E "^ours|rror" ;;
   paged_stages) timeout 300 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
       --decode-lengths 512,1024,4096 --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
       | grep -E "^decode" ;;

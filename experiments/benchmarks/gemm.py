@@ -8,7 +8,7 @@ process); a device-to-device copy for the bandwidth ceiling. Correctness of ever
 checked against a float64 block-math reference on a slice of rows. Prints a table, writes JSON.
 
     PYTHONPATH=src:. python3 experiments/benchmarks/gemm.py --out results/gemm_h200.json [--quick]
-        [--suites dense,moe,grouped,decode,linear,wgrad,torch] [--baseline path/to/previous/gemm_dense.py]
+        [--suites dense,dense_decode,moe,grouped,decode,linear,wgrad,torch] [--baseline path/to/previous/gemm_dense.py]
 
 `--baseline` times a previous version of the dense kernel module (same API) in the same run, so a change's
 effect is measured against the same machine state.
@@ -386,7 +386,9 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer variants (first device call)")
     p.add_argument("--suites", default="dense,moe,linear,torch",
-                   help="comma-separated subset of dense,moe,grouped,decode,linear,wgrad,torch (wgrad: the MoE weight gradients alone; "
+                   help="comma-separated subset of dense,dense_decode,moe,grouped,decode,linear,wgrad,torch (wgrad: the MoE weight gradients alone; "
+                        "dense_decode: the FP8 dense kernel on the model's q / k / o projections at 64 / 256 rows, "
+                        "narrow column tiles and deeper rings beside the default tiling; "
                         "grouped: our grouped FP8 forward alone, both promotion chains; "
                         "decode: the expert GEMMs of a decode step at 64 / 256 rows, both splits of the grouped kernel; "
                         "torch: torch_anchors.py next to our default kernels at the same shapes)")
@@ -423,6 +425,16 @@ def main(argv=None):
             dense_suite(16384, n, k, dense_cfgs[:2], f"attn_{name} M16384", baseline)
             # decode: N / 128 tiles leave most SMs idle; 64-wide N tiles (column-scale mode) double the grid
             dense_suite(64, n, k, dense_cfgs[:2] + [C(64, 64, 4, 16, 0), C(64, 64, 2, 16, 0)], f"attn_{name} decode M64", baseline)
+        save()
+    if "dense_decode" in suites:
+        # the model's own attention projections (q, k / v, o: not fused) at decode rows: N / 128 column tiles leave most
+        # SMs idle at one 128-row block (k / v: 4 CTAs), so narrower column tiles (column-scale mode) and deeper rings
+        # are the candidates; every one must keep the default's bits (bitwise_vs_first_config)
+        hidden, heads, kv, hd = 2048, 32, 4, 128
+        decode_cfgs = [C(64, 64, 4, 16, 0), C(64, 64, 6, 16, 0), C(64, 64, 6, 16, 1), C(64, 32, 6, 16, 1), C(64, 32, 8, 16, 1)]
+        for name, n, k in [("q", heads * hd, hidden), ("k", kv * hd, hidden), ("o", hidden, heads * hd)]:
+            for m in (64, 256):
+                dense_suite(m, n, k, [gemm_dense.default_config(n, k)] + decode_cfgs, f"attn_{name} decode M{m}")
         save()
     # the grouped default first (promotion chains of 2 K blocks); then one block at a time (same bits)
     grouped_cfgs = [gemm_grouped.DEFAULT_CONFIG, dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=1)]
