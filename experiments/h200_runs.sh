@@ -52,7 +52,8 @@
 #                                            # GEMM suite (grouped default: chains of two); the chains stage next
 #   bash experiments/h200_runs.sh pending_decode  # (~9 min) what build edf8209 left unmeasured on the rollout side: the
 #                                            # decode profile at 256 slots (the dense BF16 tilings inside the step), the
-#                                            # paged kernel's pipeline depths (256 rows, 512 / 1k caches), then the rollout workload (continuous, both
+#                                            # paged kernel's pipeline depths (256 rows, 512 / 1k caches), then the rollout workload
+#                                            # (its decode step also at 1280-token prompts, near the workload's mean cache) (continuous, both
 #                                            # recipes, the warmed copy anchor) -> $OUT/step_profile_decode256_<card>.json,
 #                                            # $OUT/attention_paged_stages_<card>.json, $OUT/rollout_workload_<card>.json
 #   bash experiments/h200_runs.sh chains     # (~5 min) FP8 grouped forward / wgrad promotion chains: bit tests + timings
@@ -257,10 +258,10 @@ case "${1:-}" in
       --out "$OUT/attention_dkv_stages_$(card_name).json" 2>&1 | quiet | grep -E "^train" ;;
   pending_decode)
     PROFILE_SLOTS=256 bash "$0" profile_decode 120
-    timeout 100 $PY experiments/benchmarks/attention.py --skip train --decode-batches 256 --decode-lengths 512,1024 \
+    timeout 90 $PY experiments/benchmarks/attention.py --skip train --decode-batches 256 --decode-lengths 512,1024 \
       --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet | grep -E "^decode"
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 300 $PY experiments/benchmarks/rollout_workload.py --recipes bf16,fp8_block \
-      --schedulers continuous --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -8 ;;
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 330 $PY experiments/benchmarks/rollout_workload.py --recipes bf16,fp8_block \
+      --schedulers continuous --step-prompt-lens 1280 --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -8 ;;
   dense_decode) timeout 300 $PY experiments/benchmarks/gemm.py --suites dense_decode \
       --out "$OUT/gemm_dense_decode_$(card_name).json" 2>&1 | quiet | grep -E "^ours|rror" ;;
   paged_stages) timeout 300 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \

@@ -19,8 +19,8 @@ def test_tiny_workload_runs_and_reports_targets(tmp_path):
     out = tmp_path / "rw.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     env.pop("XLA_FLAGS", None)
-    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out)], env=env, capture_output=True,
-                       text=True, timeout=400, cwd=ROOT)
+    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--step-prompt-lens", "24", "--out", str(out)], env=env,
+                       capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert p.returncode == 0, f"{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
     r = json.loads(out.read_text())
     assert r["complete"] and r["tiny"] and r["device"]["platform"] == "cpu" and r["versions"]["jax"]
@@ -37,6 +37,13 @@ def test_tiny_workload_runs_and_reports_targets(tmp_path):
         assert all(isinstance(v["met"], bool) for v in r["comparison"][name].values())
     assert isinstance(r["comparison"]["fp8_over_bf16"]["met"], bool)
     assert all(s["bytes_per_step"]["weights_read"] > 0 and s["roofline_step_ms_at_copy_bw"] > 0 for s in r["decode_step"])
+    # a longer-cache step point per recipe, reported apart from the target's point (12-token prompts + 8 new tokens)
+    assert sorted((s["recipe"], s["prompt_len"]) for s in r["decode_step"]) == [
+        ("bf16", 12), ("bf16", 24), ("fp8_block", 12), ("fp8_block", 24)]
+    assert set(r["comparison"]["roofline_fraction_at_longer_caches"]["32"]) == {"bf16", "fp8_block"}
+    longer = {s["recipe"]: s for s in r["decode_step"] if s["prompt_len"] == 24}
+    assert all(longer[k]["bytes_per_step"]["kv_read_live"] > s["bytes_per_step"]["kv_read_live"]
+               for s in r["decode_step"] if s["prompt_len"] == 12 for k in [s["recipe"]])
     assert "| recipe | scheduler |" in p.stdout
     assert all(len(x["passes"]) == 1 and x["steady_from"] == "first pass minus its compile events" for x in r["results"])
     # one recipe per run, appended into one JSON: the other recipe's points are kept, the comparisons span both;
@@ -49,7 +56,8 @@ def test_tiny_workload_runs_and_reports_targets(tmp_path):
     assert [x["recipe"] for x in again["results"]] == ["bf16", "bf16", "fp8_block", "fp8_block"]
     assert again["results"][:2] == r["results"][:2] and again["results"][2:] != r["results"][2:]
     assert again["comparison"]["bitwise_equal"] == {"bf16": True, "fp8_block": True}
-    assert "fp8_over_bf16" in again["comparison"] and len(again["decode_step"]) == 2
+    # (bf16's two step points kept; fp8_block's replaced by this run's one, without --step-prompt-lens)
+    assert "fp8_over_bf16" in again["comparison"] and len(again["decode_step"]) == 3
     for x in again["results"][2:]:
         assert len(x["passes"]) == 2 and x["steady_from"] == "last pass"
         first, last = x["passes"]
@@ -69,7 +77,7 @@ def test_tiny_workload_runs_and_reports_targets(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     m = json.loads(merged.read_text())
-    assert len(m["results"]) == 5 and len(m["decode_step"]) == 3
+    assert len(m["results"]) == 5 and len(m["decode_step"]) == 4
     assert m["mode"] == "bitwise" and m["model"]["attention_impl"] == r["model"]["attention_impl"]
     cost = m["comparison"]["fast_over_bitwise"]["bf16"]
     assert cost["steady"] > 0 and cost["bitwise_cost_steady"] == pytest.approx(1 - 1 / cost["steady"])
