@@ -60,11 +60,6 @@ def parse_args(argv=None):
     return args
 
 
-def copy_bandwidth(mib: int) -> float:
-    """The copy-bandwidth anchor of the roofline (`timing.copy_bandwidth`)."""
-    return timing.copy_bandwidth(mib)
-
-
 def param_counts(cfg, model) -> dict:
     """Total parameters counted on the model itself; active-per-token from the config."""
     from flax import nnx
@@ -169,7 +164,7 @@ def main(argv=None) -> int:
     counts = param_counts(cfg, model)
     print(f"device {dev.device_kind} ({dev.platform}); model {counts['total'] / 1e9:.3f}B params, "
           f"{counts['active_per_token'] / 1e9:.3f}B active per token", flush=True)
-    bw_copy = copy_bandwidth(args.copy_mib)
+    bw_copy = timing.copy_bandwidth(args.copy_mib)
     print(f"copy bandwidth {bw_copy / 1e12:.3f} TB/s", flush=True)
     path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                     f"decode_{'cpu_tiny' if args.tiny else dev.platform}.json")

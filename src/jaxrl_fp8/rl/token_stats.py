@@ -44,8 +44,9 @@ def token_stats(logits: jax.Array, targets: jax.Array, temperature, with_entropy
     A Python / NumPy scalar temperature (the trainer's) stays static through the custom_vjp: traced, it would become
     a divisor `ieee_div` cannot skip at T = 1, materialised at the logits' shape (a [1706, 151936] float32 tensor of
     ones, written once and re-read by a divide kernel in every chunk's forward and backward)."""
-    if isinstance(temperature, (int, float, np.number)):
-        return _token_stats(bool(with_entropy), float(temperature), logits, targets, None)
+    static = effective_temperature(temperature)  # a Python float exactly when the temperature is static
+    if isinstance(static, float):
+        return _token_stats(bool(with_entropy), static, logits, targets, None)
     return _token_stats(bool(with_entropy), None, logits, targets, temperature)
 
 

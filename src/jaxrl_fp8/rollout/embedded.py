@@ -121,8 +121,9 @@ class EngineConfig:
     refill_every: int = 64  # continuous: most decode steps on device between two host refills
     # continuous: while rows wait, the device stops for a refill once this many slots finished during its call (or
     # as many as rows wait, if fewer); 0: max(1, max_batch // 32). A refill is a host round trip of several
-    # programs (collect, prefill, place), so stopping at every finish made 770 refills of ~14 ms in a 1024-row
-    # rollout of 256 slots; the price of a larger batch is finished slots idling a few steps in a weight-bound step
+    # programs (collect, prefill, place): one at every finish is 770 refills in a 1024-row rollout of 256 slots and
+    # 19 % fewer tokens/s than 152 (decision record 0008); the price of a larger batch is finished slots idling a few
+    # steps in a weight-bound step
     refill_batch: int = 0
     max_prefill_tokens: int = 8192  # continuous: tokens (bucketed rows x prompt length) of one prefill call
     prefix_sharing: bool = True  # continuous: a prompt's samples share its KV pages (prefilled once)

@@ -9,8 +9,9 @@ One `generate` call = one `ContinuousScheduler.run()`:
 - waiting rows are queued by prompt (a GRPO group's samples, and identical prompts of different requests, side
   by side), longest group first (long rows start early, so the tail is short);
 - the device decodes in `programs.decode_slots` until `refill_batch` slots finished while rows wait (as many as
-  wait, if fewer), or `refill_every` steps, or every slot is done; the host then reads which slots finished (two [S] arrays), gathers their buffers
-  (`take_rows`), releases their pages, and admits waiting rows into the free slots;
+  wait, if fewer), or `refill_every` steps, or every slot is done; the host then reads which slots finished (two
+  [S] arrays), gathers their buffers (`take_rows`), releases their pages, and admits waiting rows into the free
+  slots;
 - admission: the first row of a prompt not in the pool is its leader: it allocates every page its prompt +
   max_new_tokens need and its prompt is prefilled (`prefill_prompts`, bucketed rows x prompt length, at most
   `max_prefill_tokens` per call) into the pool through the leader's page table; the prompt's last-position
@@ -137,8 +138,7 @@ class ContinuousScheduler:
                     break
                 self.s, steps, busy = programs.decode_slots(
                     w.graphdef, w.state, self.s, ec.refill_every, min(ec.effective_refill_batch, len(self.waiting)),
-                    precision=eng.precision,
-                    plain=self.plain)
+                    precision=eng.precision, plain=self.plain)
                 st["decode_calls"] += 1
                 st["decode_steps"] += int(steps)
                 st["active_slot_steps"] += int(busy)
