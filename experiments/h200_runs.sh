@@ -39,8 +39,6 @@
 #                                            # once a step instead of 4 times -> its own JSON (points key on recipe+length)
 #   bash experiments/h200_runs.sh kernels_vs_base  # decode attention + decode GEMMs of this tree vs a carried .base (below)
 #   bash experiments/h200_runs.sh flash_dq   # the dq kernel's 64- vs 128-key steps, fwd+bwd TFLOP/s beside cuDNN
-#   bash experiments/h200_runs.sh flash_dkv  # (~3 min) the backward's dk/dv kernel at 2 and 3 pipeline stages
-#                                            # (FlashConfig.bwd_dkv_stages), fwd+bwd TFLOP/s beside cuDNN, T = 4k / 16k
 #   bash experiments/h200_runs.sh dense_decode  # (~3 min) the FP8 dense kernel on the attention projections at decode
 #                                            # rows (64 / 256): 64- and 32-wide column tiles, 4-8 stages, bits against the
 #                                            # default -> $OUT/gemm_dense_decode_<card>.json
@@ -50,12 +48,13 @@
 #   bash experiments/h200_runs.sh pending    # (< 10 min) what the last build left unmeasured: the converters' GPU bit tests
 #                                            # (the export quantizes fp8-block on the trainer's kernel now), the decode
 #                                            # GEMM suite (grouped default: chains of two); the chains stage next
-#   bash experiments/h200_runs.sh pending_decode  # (~9 min) what build edf8209 left unmeasured on the rollout side: the
+#   bash experiments/h200_runs.sh pending_decode  # (~6 min) the rollout side at once: the
 #                                            # decode profile at 256 slots (the dense BF16 tilings inside the step), the
 #                                            # paged kernel's pipeline depths (256 rows, 512 / 1k caches), then the rollout workload
 #                                            # (its decode step also at 1280-token prompts, near the workload's mean cache) (continuous, both
 #                                            # recipes, the warmed copy anchor) -> $OUT/step_profile_decode256_<card>.json,
-#                                            # $OUT/attention_paged_stages_<card>.json, $OUT/rollout_workload_<card>.json
+#                                            # $OUT/attention_paged_stages_<card>.json, $OUT/rollout_workload_<card>.json,
+#                                            # $OUT/decode_hlo.tgz (the decode programs' optimized HLO)
 #   bash experiments/h200_runs.sh chains     # (~5 min) FP8 grouped forward / wgrad promotion chains: bit tests + timings
 #   bash experiments/h200_runs.sh flash      # flash attention: GPU tests (kernels; rollout == trainer at 4k responses)
 #   bash experiments/h200_runs.sh train_long # one fp8_block trainer step at T = 4k / 16k per attention impl (memory, time)
@@ -254,10 +253,9 @@ case "${1:-}" in
   flash_dq)  # (~3 min) the backward's dq kernel at 64- and 128-key steps (FlashConfig.bwd_dq_keys) beside cuDNN, T = 4k / 16k
     timeout 400 $PY experiments/benchmarks/attention.py --skip decode --lengths 4096,16384 --bwd-dq-keys 64,128 \
         --out "$OUT/attention_dq_variants_h200.json" 2>&1 | quiet | grep -E "^train" ;;
-  flash_dkv) timeout 400 $PY experiments/benchmarks/attention.py --skip decode --lengths 4096,16384 --bwd-dkv-stages 3 \
-      --out "$OUT/attention_dkv_stages_$(card_name).json" 2>&1 | quiet | grep -E "^train" ;;
   pending_decode)
     PROFILE_SLOTS=256 bash "$0" profile_decode 120
+    (cd /tmp/decode_hlo && tar czf "$OUT/decode_hlo.tgz" $(ls | grep -E "decode_slots.*after_optimizations.txt$" | head -4))
     timeout 90 $PY experiments/benchmarks/attention.py --skip train --decode-batches 256 --decode-lengths 512,1024 \
       --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet | grep -E "^decode"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 330 $PY experiments/benchmarks/rollout_workload.py --recipes bf16,fp8_block \

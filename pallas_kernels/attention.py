@@ -49,7 +49,6 @@ class FlashConfig:
 
     fwd_stages: int = 2
     bwd_stages: int = 2
-    bwd_dkv_stages: int = 2  # the dk/dv kernel's own depth (it has shared memory for 3; the bits do not depend on it)
     paged_stages: int = 3
     bwd_dq_keys: int = 128  # keys per step of the backward's dq kernel (128, or 64: 1-2 % slower on an H100; the gradients' bits depend on it)
 
@@ -135,7 +134,7 @@ def _flash_bwd(scale, config, interpret, res, dout):
     t = dout.shape[1]
     dop = _pad_rows(dout.astype(qp.dtype), qp.shape[1])
     dq, dk, dv = backward(qp, kp, vp, starts, out, dop, lse2, scale=scale, stages=config.bwd_stages,
-                          dkv_stages=config.bwd_dkv_stages, dq_keys=config.bwd_dq_keys, interpret=interpret)
+                          dq_keys=config.bwd_dq_keys, interpret=interpret)
     return dq[:, :t], dk[:, :t], dv[:, :t], None
 
 

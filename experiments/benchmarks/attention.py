@@ -130,9 +130,6 @@ def main(argv=None):
                    help="comma list of the backward dq kernel's keys per step (FlashConfig.bwd_dq_keys) to time as "
                         "separate 'flash' rows of the training points beside the default config's "
                         "(FlashConfig().bwd_dq_keys, 128; default: %(default)s)")
-    p.add_argument("--bwd-dkv-stages", default="",
-                   help="comma list of the backward dk/dv kernel's pipeline depths (FlashConfig.bwd_dkv_stages) to time "
-                        "as separate 'flash' rows beside the default's (2), e.g. 3")
     p.add_argument("--paged-stages", default="",
                    help="comma list of pipeline depths of the paged decode kernel (FlashConfig.paged_stages) to time "
                         "beside the default's (3): e.g. 1,2 (one or two stages leave shared memory for a second "
@@ -146,9 +143,6 @@ def main(argv=None):
     for keys in (int(x) for x in a.bwd_dq_keys.split(",") if x and int(x) != A.FlashConfig().bwd_dq_keys):
         cfg = A.FlashConfig(bwd_dq_keys=keys)
         IMPLS[f"flash (ours, dq {keys}-key steps)"] = lambda q, k, v, cfg=cfg: A.flash_attention(q, k, v, scale=D**-0.5, config=cfg)
-    for stages in (int(x) for x in a.bwd_dkv_stages.split(",") if x and int(x) != A.FlashConfig().bwd_dkv_stages):
-        cfg = A.FlashConfig(bwd_dkv_stages=stages)
-        IMPLS[f"flash (ours, dk/dv {stages} stages)"] = lambda q, k, v, cfg=cfg: A.flash_attention(q, k, v, scale=D**-0.5, config=cfg)
     if "train" not in skip:
         training_points([int(x) for x in a.lengths.split(",")], a.iters, results, a.out)
     if "decode" not in skip:

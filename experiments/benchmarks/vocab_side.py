@@ -9,7 +9,9 @@ decode row counts and in one run:
     the grouped kernels' default tiling (bits compared: a tiling never changes a row's K order), cuBLAS (XLA dot,
     not row invariant) as the anchor, and the weight-read time at the copy bandwidth measured in the same run;
   * noise: the drawn token argmax(z + gumbel) with the sampler's counter-based bits, its bits alone, jax.random's
-    threefry bits under the same transform (the anchor) and the whole plain sampler.
+    threefry bits under the same transform (the anchor) and the whole plain sampler;
+  * logprob: the log-prob of a drawn token (`token_logprobs`, the trainer's too) with its pairwise normaliser cut
+    into kernels as `numerics` cuts it, against the uncut tree XLA fuses on its own (bits compared).
 
     python experiments/benchmarks/vocab_side.py --out experiments/benchmarks/results/vocab_side_<card>.json
     python experiments/benchmarks/vocab_side.py --tiny      # CPU smoke run
@@ -31,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 from timing import bench, copy_bandwidth, run_header, write_results  # noqa: E402
 
+from jaxrl_fp8.model import numerics  # noqa: E402
 from jaxrl_fp8.rollout import sampling  # noqa: E402
 
 U32 = jnp.uint32
@@ -62,6 +65,32 @@ def noise_points(rows_list, vocab, out):
             t, _ = bench(jax.jit(fn), z, keys)
             out.append({"kind": "noise", "variant": name, "rows": rows, "median_ms": t * 1e3})
             print(f"noise rows {rows:4d} {name:40s} {t * 1e3:.4f} ms")
+
+
+# --- log-probs ----------------------------------------------------------------------------------------------------
+
+def logprob_points(rows_list, vocab, out):
+    """The rollout / trainer log-prob (`token_logprobs`: max, the row-invariant pairwise normaliser, pick) with the
+    tree cut into kernels as `numerics` does today, against the same tree left to XLA's fusion (no cuts). Bits
+    compared: a cut moves no add."""
+    for rows in rows_list:
+        z = jax.random.normal(jax.random.key(rows), (rows, vocab), F32) * 3
+        tok = jnp.argmax(z, -1)
+        ref = None
+        for name, split_from in (("cut (numerics today)", numerics.SPLIT_FROM), ("uncut (one fused tree)", 1 << 62)):
+            def fn(z, tok, split_from=split_from):
+                saved, numerics.SPLIT_FROM = numerics.SPLIT_FROM, split_from
+                try:
+                    return sampling.token_logprobs(z, tok)
+                finally:
+                    numerics.SPLIT_FROM = saved
+            f = jax.jit(fn)
+            y = np.asarray(f(z, tok))
+            ref = y if ref is None else ref
+            t, _ = bench(f, z, tok)
+            same = bool(np.array_equal(y.view(np.uint32), ref.view(np.uint32)))
+            out.append({"kind": "logprob", "variant": name, "rows": rows, "median_ms": t * 1e3, "bitwise_vs_cut": same})
+            print(f"logprob rows {rows:4d} {name:28s} {t * 1e3:.4f} ms  bitwise {same}")
 
 
 # --- lm_head ------------------------------------------------------------------------------------------------------
@@ -104,7 +133,7 @@ def head_points(rows_list, vocab, hidden, bw, out, interpret: bool):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="64,128,256,512,1024", help="decode / prefill row counts")
-    p.add_argument("--parts", default="head,noise", help="comma list of head, noise")
+    p.add_argument("--parts", default="head,noise,logprob", help="comma list of head, noise, logprob")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: vocab 1024, hidden 128, the kernel interpreted")
     p.add_argument("--out", default=None, help="JSON path (written after each part)")
     args = p.parse_args(argv)
@@ -117,6 +146,10 @@ def main(argv=None):
     parts = args.parts.split(",")
     if "noise" in parts:
         noise_points(rows, vocab, result["points"])
+        if args.out:
+            write_results(args.out, result)
+    if "logprob" in parts:
+        logprob_points(rows, vocab, result["points"])
         if args.out:
             write_results(args.out, result)
     if "head" in parts:
