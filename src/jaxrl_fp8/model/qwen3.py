@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_fp8.model import matmul, moe as moe_lib
+from jaxrl_fp8.model import fused, matmul, moe as moe_lib
 from jaxrl_fp8.model.attention import cache_attention, resolve_impl, sequence_attention
 from jaxrl_fp8.model.cache import KVCache, PagedKVCache
 from jaxrl_fp8.model.config import ModelConfig
@@ -84,6 +84,17 @@ class _Seq:
     slots: jax.Array | None = None
 
 
+def _shared_input_projections(module, prefix: str, names: tuple[str, ...], x, ctx: _Ctx) -> list[jax.Array]:
+    """x times each named projection of `module`: one product when the decode loop stacked them
+    (`fused.FusedWeight` in the first one's slot, same bits), else one product each."""
+    first = getattr(module, names[0]).weight.get_value()
+    if isinstance(first, fused.FusedWeight):
+        y = matmul.linear(x, first.weight, ctx.fmt(f"{prefix}.{names[0]}.weight"), ctx.backward)
+        return fused.split_outputs(y, first.widths)
+    return [matmul.linear(x, getattr(module, n).weight.get_value(), ctx.fmt(f"{prefix}.{n}.weight"), ctx.backward)
+            for n in names]
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.cfg, self.layer = cfg, layer
@@ -103,9 +114,10 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         d = cfg.head_dim
-        q = self._proj("q_proj", x, ctx).reshape(b, t, cfg.num_attention_heads, d)
-        k = self._proj("k_proj", x, ctx).reshape(b, t, cfg.num_key_value_heads, d)
-        v = self._proj("v_proj", x, ctx).reshape(b, t, cfg.num_key_value_heads, d)
+        q, k, v = _shared_input_projections(self, f"layers.{self.layer}.attn", ("q_proj", "k_proj", "v_proj"), x, ctx)
+        q = q.reshape(b, t, cfg.num_attention_heads, d)
+        k = k.reshape(b, t, cfg.num_key_value_heads, d)
+        v = v.reshape(b, t, cfg.num_key_value_heads, d)
         q = rms_norm(q, self.q_norm.scale.get_value(), cfg.rms_norm_eps)
         k = rms_norm(k, self.k_norm.scale.get_value(), cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -130,7 +142,8 @@ class MLP(nnx.Module):
         return matmul.linear(x, w, ctx.fmt(f"layers.{self.layer}.mlp.{name}.weight"), ctx.backward)
 
     def __call__(self, x, ctx: _Ctx):
-        h = silu(self._proj("gate_proj", x, ctx)) * self._proj("up_proj", x, ctx)
+        gate, up = _shared_input_projections(self, f"layers.{self.layer}.mlp", ("gate_proj", "up_proj"), x, ctx)
+        h = silu(gate) * up
         return self._proj("down_proj", h, ctx)
 
 

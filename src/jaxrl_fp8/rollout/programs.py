@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxrl_fp8.model import fused
 from jaxrl_fp8.model.cache import KVCache, PagedKVCache, init_cache, init_paged_cache
 from jaxrl_fp8.ops.backends import prepare_fp8_weight
 from jaxrl_fp8.precision import QuantizedWeight, formats as F
@@ -78,15 +79,20 @@ def _on_mesh(placement, state, *row_arrays):
     return placement.constrain_weights(state), tuple(jax.tree.map(placement.constrain_rows, a) for a in row_arrays)
 
 
-def loop_operands(state):
+def loop_operands(state, fuse: bool | None = None):
     """`state` with its fp8-block rollout weights as `ops.operands.PreparedWeight`s (operands only), made once before
     a decode loop. On the Mosaic backend each carries its scales in the GEMM kernel's layout, which every kernel call
     would otherwise lay out again in every step: XLA does not hoist that broadcast out of the loop (7 XLA kernels a
-    layer a decode step). The same e4m3 data and scales, so the same bits."""
+    layer a decode step). The same e4m3 data and scales, so the same bits.
+
+    fuse: stack the projections that share an input into one product (`model.fused`; None: where the GEMM kernels
+    run, which keep each column's bits)."""
 
     def prepared(v):
         return prepare_fp8_weight(v) if isinstance(v, QuantizedWeight) and v.fmt == F.FP8_BLOCK else v
 
+    if fused.enabled_here() if fuse is None else fuse:
+        state = fused.fuse_shared_inputs(state)
     return jax.tree.map(prepared, state, is_leaf=lambda v: isinstance(v, QuantizedWeight))
 
 
