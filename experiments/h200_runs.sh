@@ -43,7 +43,8 @@
 #                                            # rows (64 / 256): 64- and 32-wide column tiles, 4-8 stages, bits against the
 #                                            # default -> $OUT/gemm_dense_decode_<card>.json
 #   bash experiments/h200_runs.sh paged_stages  # (~2 min) the paged decode kernel at 1 / 2 / 3 pipeline stages (fewer
-#                                            # leave shared memory for a second program per SM), batch 64 / 256, caches
+#                                            # leave shared memory for a second program per SM) and with its query rows
+#                                            # in part of one tile (FlashConfig.paged_partial_tile), batch 64 / 256, caches
 #                                            # 512 / 1k / 4k, against the copy roofline -> $OUT/attention_paged_stages_<card>.json
 #   bash experiments/h200_runs.sh pending    # (< 10 min) what the last build left unmeasured: the converters' GPU bit tests
 #                                            # (the export quantizes fp8-block on the trainer's kernel now), the decode
@@ -257,13 +258,14 @@ case "${1:-}" in
     PROFILE_SLOTS=256 bash "$0" profile_decode 120
     (cd /tmp/decode_hlo && tar czf "$OUT/decode_hlo.tgz" $(ls | grep -E "decode_slots.*after_optimizations.txt$" | head -4))
     timeout 90 $PY experiments/benchmarks/attention.py --skip train --decode-batches 256 --decode-lengths 512,1024 \
-      --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet | grep -E "^decode"
+      --paged-stages 1,2 --paged-partial-tile --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
+      | grep -E "^decode"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 330 $PY experiments/benchmarks/rollout_workload.py --recipes bf16,fp8_block \
       --schedulers continuous --step-prompt-lens 1280 --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -8 ;;
   dense_decode) timeout 300 $PY experiments/benchmarks/gemm.py --suites dense_decode \
       --out "$OUT/gemm_dense_decode_$(card_name).json" 2>&1 | quiet | grep -E "^ours|rror" ;;
   paged_stages) timeout 300 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
-      --decode-lengths 512,1024,4096 --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
+      --decode-lengths 512,1024,4096 --paged-stages 1,2 --paged-partial-tile --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
       | grep -E "^decode" ;;
   decode_gemm) timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_gemm_grouped.py -p no:cacheprovider \
       2>&1 | tee "$OUT/decode_gemm_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"

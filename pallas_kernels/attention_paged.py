@@ -31,9 +31,18 @@ __all__ = ["paged_rows_attention"]
 @traced_once("scale", "stages", "interpret")
 def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, *, scale: float,
                          stages: int, interpret: bool):
-    """q_rows [B, Hkv, R, D] (R a multiple of BLOCK_Q), row_pos / row_start int32 [B, R], n_blocks int32
-    [B, R / BLOCK_Q], k/v_pages [P, BLOCK_KV, Hkv, D], page_table int32 [B, max_pages] -> out [B, Hkv, R, D]."""
+    """q_rows [B, Hkv, R, D], row_pos / row_start int32 [B, Rt], n_blocks int32 [B, Rt / BLOCK_Q], k/v_pages
+    [P, BLOCK_KV, Hkv, D], page_table int32 [B, max_pages] -> out [B, Hkv, R, D]; Rt = R rounded up to BLOCK_Q.
+
+    R is a multiple of BLOCK_Q, or smaller: then the one tile loads and stores only its R rows (a decode step's G
+    query heads), and its other rows, left as they were in shared memory, are computed and dropped (rows of a
+    wgmma tile never mix), so the wrapper pads no query and slices no output."""
     b, hkv, r, d = q_rows.shape
+    if (r > BLOCK_Q and r % BLOCK_Q) or r % 8:
+        raise ValueError(f"paged_rows_attention: {r} query rows are neither a multiple of {BLOCK_Q} nor one partial tile "
+                         "of whole 8-row groups")
+    tile_rows = min(r, BLOCK_Q)
+    tiles = -(-r // BLOCK_Q)
     dtype = q_rows.dtype
     c = float(scale * LOG2E)
     transforms = swizzled(dtype)
@@ -48,11 +57,13 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
         bi, kvh, rt = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("rows")
         wg = lax.axis_index("wg")
         rows = pl.ds(rt * BLOCK_Q, BLOCK_Q)
+        q_rows_here = pl.ds(rt * BLOCK_Q, tile_rows)
         steps = nblk_ref[bi, rt]
 
         def compute_thread(pipeline):
             qo_smem = qo_smem2.at[0]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh, rows], qo_smem, q_bar.at[0])
+            qo_held = qo_smem if tile_rows == BLOCK_Q else qo_smem.at[pl.ds(0, tile_rows)]
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh, q_rows_here], qo_held, q_bar.at[0])
             row_pos = row_vector(pos_ref.at[bi, rows])
             row_start = row_vector(start_ref.at[bi, rows])
             plgpu.barrier_wait(q_bar.at[0])
@@ -61,7 +72,7 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
             out, _ = finish_rows(acc, m_i, l_i)
             qo_smem[...] = out.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[bi, kvh, rows])
+            plgpu.copy_smem_to_gmem(qo_held, o_ref.at[bi, kvh, q_rows_here])
             plgpu.wait_smem_to_gmem(0)
 
         def body(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
@@ -80,6 +91,6 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
                                   compute_thread=compute_thread)
         pipeline(k_ref.at[:, :, kvh, :], v_ref.at[:, :, kvh, :])
 
-    call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, r // BLOCK_Q, b),
+    call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, tiles, b),
                        ("kv_heads", "rows", "batch"), 1, name="attention_paged")
     return launch(call, q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, interpret=interpret)

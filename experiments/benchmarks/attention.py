@@ -83,12 +83,16 @@ def training_points(lengths, iters, results, out):
         del q, k, v, g
 
 
-def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=()):
-    """The paged decode step per (batch, cache length) under the default config, and under each pipeline depth of
-    `stage_variants` (FlashConfig.paged_stages: fewer stages leave shared memory for a second program per SM; the
-    bits do not depend on it)."""
-    configs = [(None, A.FlashConfig())] + [(s, A.FlashConfig(paged_stages=s)) for s in stage_variants
-                                           if s != A.FlashConfig().paged_stages]
+def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=(), partial_tile=False):
+    """The paged decode step per (batch, cache length) under the default config, under each pipeline depth of
+    `stage_variants` (FlashConfig.paged_stages: fewer stages leave shared memory for a second program per SM) and,
+    with `partial_tile`, with the query rows loaded into part of one tile (FlashConfig.paged_partial_tile); each
+    variant's output is compared with the default's bit for bit."""
+    default = A.FlashConfig()
+    configs = [("default", default)] + [(f"stages {s}", A.FlashConfig(paged_stages=s)) for s in stage_variants
+                                        if s != default.paged_stages]
+    if partial_tile:
+        configs.append(("partial tile", A.FlashConfig(paged_partial_tile=True)))
     for b in batches:
         for s in lengths:
             n_pages = s // A.BLOCK_KV
@@ -102,19 +106,26 @@ def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variant
             table = jnp.asarray(np.random.default_rng(0).permutation(pool).reshape(b, n_pages), jnp.int32)
             q = jax.random.normal(ks[2], (b, 1, H, D), BF16)
             pos = jnp.full((b, 1), s - 1, jnp.int32)
-            for stages, cfg in configs:
+            reference = None
+            for label, cfg in configs:
                 f = jax.jit(lambda q, kp, vp, table, pos, cfg=cfg: A.paged_attention(q, kp, vp, table, pos,
                                                                                      scale=D**-0.5, config=cfg))
                 r = _time(f, q, kp, vp, table, pos, iters=iters)
                 row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, **r}
-                if stages is not None:
-                    row["paged_stages"] = stages
+                if label != "default":
+                    row["variant"] = label
+                    if cfg.paged_stages != default.paged_stages:
+                        row["paged_stages"] = cfg.paged_stages
                 if "median_s" in r:
                     row["roofline_s"] = kv_bytes / copy_bps
                     row["fraction_of_roofline"] = row["roofline_s"] / r["median_s"]
+                    got = np.asarray(f(q, kp, vp, table, pos).astype(jnp.float32))
+                    reference = got if reference is None else reference
+                    row["bitwise_vs_default"] = bool(np.array_equal(got.view(np.uint32), reference.view(np.uint32)))
                 results["points"].append(row)
-                print(f"decode B={b:4d} S={s:6d} stages {cfg.paged_stages} {r.get('median_s', r.get('error'))} s  "
-                      f"roofline fraction {row.get('fraction_of_roofline')}", flush=True)
+                print(f"decode B={b:4d} S={s:6d} {label:12s} {r.get('median_s', r.get('error'))} s  "
+                      f"roofline fraction {row.get('fraction_of_roofline')}  bitwise {row.get('bitwise_vs_default')}",
+                      flush=True)
                 write_results(out, results)
             del kp, vp
 
@@ -134,6 +145,9 @@ def main(argv=None):
                    help="comma list of pipeline depths of the paged decode kernel (FlashConfig.paged_stages) to time "
                         "beside the default's (3): e.g. 1,2 (one or two stages leave shared memory for a second "
                         "program per SM)")
+    p.add_argument("--paged-partial-tile", action="store_true",
+                   help="also time the decode step with its query rows loaded into part of one tile "
+                        "(FlashConfig.paged_partial_tile) beside the default's padded tile")
     p.add_argument("--out", default="experiments/benchmarks/results/attention_h200.json", help="JSON path")
     a = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -149,7 +163,8 @@ def main(argv=None):
         bps = timing.copy_bandwidth(1024)
         results["copy_bytes_per_s"] = bps
         decode_points([int(x) for x in a.decode_batches.split(",")], [int(x) for x in a.decode_lengths.split(",")],
-                      a.iters, bps, results, a.out, [int(x) for x in a.paged_stages.split(",") if x])
+                      a.iters, bps, results, a.out, [int(x) for x in a.paged_stages.split(",") if x],
+                      partial_tile=a.paged_partial_tile)
     write_results(a.out, results)
 
 

@@ -112,8 +112,10 @@ def test_paged_matches_reference_with_shuffled_pages():
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_decode_gives_the_training_forward_bits():
-    """One query per row over a paged cache (random page order, rows of different lengths) == the full forward."""
+@pytest.mark.parametrize("partial_tile", [False, True])
+def test_decode_gives_the_training_forward_bits(partial_tile):
+    """One query per row over a paged cache (random page order, rows of different lengths) == the full forward, with
+    the G query rows padded to a tile in HBM or loaded into part of one (FlashConfig.paged_partial_tile)."""
     b, t, h, hkv, d = 2, 300, 8, 2, 64
     q, k, v = _qkv(b, t, h, hkv, d, seed=3)
     full = np.asarray(A.flash_attention(q, k, v, scale=d**-0.5, interpret=_interpret()).astype(jnp.float32))
@@ -121,6 +123,7 @@ def test_decode_gives_the_training_forward_bits():
     pos = np.array([299, 130])
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
     out = np.asarray(A.paged_attention(qd, kp, vp, table, jnp.asarray(pos)[:, None], scale=d**-0.5,
+                                       config=A.FlashConfig(paged_partial_tile=partial_tile),
                                        interpret=_interpret()).astype(jnp.float32))
     for i in range(b):
         np.testing.assert_array_equal(out[i, 0], full[i, pos[i]])
@@ -179,9 +182,12 @@ def test_gpu_long_rows_bits_and_accuracy():
     kp, vp, table = _pages(k, v, n_pages, 2 * n_pages + 3, seed=5)
     pos = np.array([4095, 1000])
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
-    out = np.asarray(A.paged_attention(qd, kp, vp, table, jnp.asarray(pos)[:, None], scale=sc).astype(jnp.float32))
-    for i in range(b):
-        np.testing.assert_array_equal(out[i, 0], full[i, pos[i]])
+    for partial_tile in (False, True):  # the query rows padded to a tile in HBM, or loaded into part of one
+        cfg = A.FlashConfig(paged_partial_tile=partial_tile)
+        out = np.asarray(A.paged_attention(qd, kp, vp, table, jnp.asarray(pos)[:, None], scale=sc, config=cfg)
+                         .astype(jnp.float32))
+        for i in range(b):
+            np.testing.assert_array_equal(out[i, 0], full[i, pos[i]])
     pre = jnp.broadcast_to(jnp.arange(0, 256, dtype=jnp.int32), (b, 256))
     out = A.paged_attention(q[:, :256], kp, vp, table, pre, scale=sc)
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
