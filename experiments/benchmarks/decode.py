@@ -35,8 +35,6 @@ from model_slice import add_model_slice_args, apply_tiny_slice, model_config_fro
 import timing  # noqa: E402
 from timing import write_results  # noqa: E402
 
-HBM_SPEC_BPS = 4.8e12  # H200 datasheet
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,7 +182,7 @@ def main(argv=None) -> int:
             "sampling": "temperature 1, no top-k/top-p, ignore_eos, routed experts returned",
             "decode_loop": args.decode_loop,
             "high_precision_form": effective_form(),  # router / lm_head / BF16 dense products (ops.high_precision)
-            "bandwidth": {"hbm_spec_Bps": HBM_SPEC_BPS, "copy_measured_Bps": bw_copy, "copy_mib": args.copy_mib},
+            "bandwidth": {"hbm_spec_Bps": timing.hbm_spec_bandwidth(), "copy_measured_Bps": bw_copy, "copy_mib": args.copy_mib},
             "notes": [
                 "decode_tokens_per_s = batch*(gen_len-1) / (t(generate gen_len) - t(generate 1 token)): prefill excluded",
                 "roofline ideal = weights read once per step (experts: those the batch routed to, measured) + live KV; "
@@ -234,7 +232,7 @@ def main(argv=None) -> int:
                 "roofline": {
                     "bytes_per_step_ideal": ideal,
                     "bytes_per_step_as_run": as_run,
-                    "tokens_per_s_at_spec_bw": batch / (ideal / HBM_SPEC_BPS),
+                    "tokens_per_s_at_spec_bw": batch / (ideal / spec) if (spec := timing.hbm_spec_bandwidth()) else None,
                     "tokens_per_s_at_copy_bw": batch / (ideal / bw_copy),
                     "tokens_per_s_at_copy_bw_full_cache": batch / (as_run / bw_copy),
                     "fraction_of_copy_roofline": decode_tps / (batch / (ideal / bw_copy)) if math.isfinite(decode_tps) else None,

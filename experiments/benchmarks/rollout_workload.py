@@ -225,7 +225,7 @@ def step_measurement(engine_cls, policy, engine_config, cfg, args, rng, bw_copy)
         "step_ms": step_s * 1e3 if math.isfinite(step_s) else None,
         "bytes_per_step": sb, "experts_touched_per_layer": touched,
         "roofline_step_ms_at_copy_bw": roof_step_s * 1e3,
-        "roofline_step_ms_at_spec_bw": ideal / decode_bench.HBM_SPEC_BPS * 1e3,
+        "roofline_step_ms_at_spec_bw": ideal / spec * 1e3 if (spec := timing.hbm_spec_bandwidth()) else None,
         "fraction_of_copy_roofline": roof_step_s / step_s if math.isfinite(step_s) else None,
     }
 
@@ -397,7 +397,7 @@ def main(argv=None) -> int:
             "engine": {"slots": args.slots, "kv_pages": args.kv_pages, "refill_every": args.refill_every,
                        "refill_batch": EngineConfig(max_batch=args.slots, refill_batch=args.refill_batch).effective_refill_batch,
                        "static_order": args.static_order, "static_shapes": args.static_shapes},
-            "bandwidth": {"hbm_spec_Bps": decode_bench.HBM_SPEC_BPS, "copy_measured_Bps": bw_copy, "copy_mib": args.copy_mib},
+            "bandwidth": {"hbm_spec_Bps": timing.hbm_spec_bandwidth(), "copy_measured_Bps": bw_copy, "copy_mib": args.copy_mib},
             "notes": [
                 "tokens_per_s = response tokens / wall of the first pass; steady_tokens_per_s = response tokens / "
                 "(wall - compile_s) of the last pass (--passes; with one pass, the first), compile_s from jax.monitoring "

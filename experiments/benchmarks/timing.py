@@ -45,6 +45,17 @@ def bench_detail(fn, *args, iters: int = 20, warmup: int = 3, reps: int = 5) -> 
             "enqueue_median_s": statistics.median(enqueue)}
 
 
+# datasheet HBM bandwidth by device kind (a substring of jax's device_kind): an upper bound beside the measured copy
+# anchor, never the roofline itself
+_HBM_SPEC_BPS = (("H200", 4.8e12), ("H100 80GB HBM3", 3.35e12))
+
+
+def hbm_spec_bandwidth(device_kind: str | None = None) -> float | None:
+    """The datasheet HBM bandwidth of the device (default: the first one), None for a kind not listed (CPU)."""
+    kind = device_kind if device_kind is not None else jax.devices()[0].device_kind
+    return next((bps for name, bps in _HBM_SPEC_BPS if name in kind), None)
+
+
 def copy_bandwidth(mib: int = 2048, warmup_s: float = 1.0) -> float:
     """Bytes/s of a device-to-device copy (one read and one write an element: x + 1 in float32), the anchor every
     roofline here divides by: the best of 5 rounds of 20 chained copies, after `warmup_s` of copying. Why the
