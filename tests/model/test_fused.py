@@ -96,3 +96,20 @@ def test_stacked_decode_gives_the_same_samples(recipe, scheduler, monkeypatch):
         np.testing.assert_array_equal(a.response_ids, b.response_ids)
         np.testing.assert_array_equal(a.rollout_logprobs.view(np.uint32), b.rollout_logprobs.view(np.uint32))
         np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+
+
+def test_stacked_projections_refuse_differing_formats():
+    """A stack multiplies in one format: a policy that gives its projections different ones is an error that names
+    them (the engine stacks only same-kind weights, so this guards a policy changed under a stacked state)."""
+    import types
+
+    from jaxrl_fp8.model import qwen3
+
+    slot = lambda v: types.SimpleNamespace(weight=types.SimpleNamespace(get_value=lambda: v))  # noqa: E731
+    module = types.SimpleNamespace(q_proj=slot(fused.FusedWeight(jnp.zeros((384, 64), jnp.bfloat16), (256, 64, 64))),
+                                   k_proj=slot(fused.FusedPart(1)), v_proj=slot(fused.FusedPart(2)))
+    policy = types.SimpleNamespace(format_for_trainer=lambda path: "fp8-block" if "k_proj" in path else "bf16")
+    ctx = qwen3._Ctx(policy=policy, backward="high_precision")
+    with pytest.raises(ValueError, match="layers.0.attn: q_proj, k_proj, v_proj are stacked"):
+        qwen3._shared_input_projections(module, "layers.0.attn", ("q_proj", "k_proj", "v_proj"),
+                                        jnp.zeros((2, 64), jnp.bfloat16), ctx)

@@ -89,7 +89,11 @@ def _shared_input_projections(module, prefix: str, names: tuple[str, ...], x, ct
     (`fused.FusedWeight` in the first one's slot, same bits), else one product each."""
     first = getattr(module, names[0]).weight.get_value()
     if isinstance(first, fused.FusedWeight):
-        y = matmul.linear(x, first.weight, ctx.fmt(f"{prefix}.{names[0]}.weight"), ctx.backward)
+        fmts = {ctx.fmt(f"{prefix}.{n}.weight") for n in names}
+        if len(fmts) != 1:
+            raise ValueError(f"{prefix}: {', '.join(names)} are stacked into one weight but the precision policy gives "
+                             f"them different formats {sorted(map(str, fmts))}")
+        y = matmul.linear(x, first.weight, fmts.pop(), ctx.backward)
         return fused.split_outputs(y, first.widths)
     return [matmul.linear(x, getattr(module, n).weight.get_value(), ctx.fmt(f"{prefix}.{n}.weight"), ctx.backward)
             for n in names]
