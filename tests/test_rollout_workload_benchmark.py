@@ -101,3 +101,15 @@ def test_merge_refuses_another_workload(tmp_path):
     with pytest.raises(SystemExit, match="another model"):
         rollout_workload.merge([str(a), str(b)], str(tmp_path / "m.json"))
     assert not (tmp_path / "m.json").exists()
+
+
+def test_mean_decode_cache_weights_caches_by_decoded_tokens():
+    """Token j >= 1 of a response is decoded over prompt + j cached tokens; token 0 comes from the prefill."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import rollout_workload
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    # lengths 1 (no decode step) and 3 (steps over 11 and 12 cached tokens)
+    assert rollout_workload.mean_decode_cache([1, 3], 10) == pytest.approx(11.5)
+    assert rollout_workload.mean_decode_cache([2, 2, 5], 0) == pytest.approx((1 + 1 + 1 + 2 + 3 + 4) / 6)

@@ -126,6 +126,15 @@ def draw_lengths(args, rng) -> np.ndarray:
     return np.clip(np.rint(raw), 1, args.max_len).astype(np.int64)
 
 
+def mean_decode_cache(lengths: np.ndarray, prompt_len: int) -> float:
+    """The cache length a decode step reads, averaged over the decoded tokens: token j >= 1 of a response is drawn
+    over prompt_len + j cached tokens (token 0 comes from the prefill), so long responses weigh in with their
+    length. The decode step's roofline fraction at this length is the workload's typical one."""
+    lengths = np.asarray(lengths, np.float64)
+    decoded = np.maximum(lengths - 1, 0)
+    return float(prompt_len + (decoded * (decoded + 1) / 2).sum() / max(decoded.sum(), 1.0))
+
+
 def step_counts(lengths: np.ndarray, samples: int, slots: int) -> dict:
     """Decode steps each scheduler needs on these lengths, from the lengths alone (no model): static chunks of
     `slots` rows in request order / sorted by length (a chunk runs to its longest row), and continuous slots refilled
@@ -390,7 +399,8 @@ def main(argv=None) -> int:
                 "response_tokens": total_tokens,
                 "length_stats": {"mean": float(lengths.mean()), "p50": float(np.percentile(lengths, 50)),
                                  "p90": float(np.percentile(lengths, 90)), "p99": float(np.percentile(lengths, 99)),
-                                 "max": int(lengths.max()), "at_cap": int((lengths == args.max_len).sum())},
+                                 "max": int(lengths.max()), "at_cap": int((lengths == args.max_len).sum()),
+                                 "mean_decode_cache": mean_decode_cache(lengths, args.prompt_len)},
                 "sampling": "temperature 1, no top-k / top-p, one request per sample (the prompt repeated), per-sample seeds",
                 "decode_steps_from_lengths": step_counts(lengths, args.samples, args.slots),
             },
