@@ -46,6 +46,7 @@
 #                                            # leave shared memory for a second program per SM) and with its query rows
 #                                            # in part of one tile (FlashConfig.paged_partial_tile), batch 64 / 256, caches
 #                                            # 512 / 1k / 4k, against the copy roofline -> $OUT/attention_paged_stages_<card>.json
+#                                            # (results keep one attention_<card>.json: fold its points in, under `calls`)
 #   bash experiments/h200_runs.sh pending    # (< 10 min) what the last build left unmeasured: the converters' GPU bit tests
 #                                            # (the export quantizes fp8-block on the trainer's kernel now), the decode
 #                                            # GEMM suite (grouped default: chains of two); the chains stage next

@@ -209,7 +209,7 @@ def backward(q, k, v, starts, out, do, lse2, *, scale: float, stages: int, dq_ke
     """Gradients of the forward (same padded shapes: T a multiple of 128): (dq, dk, dv) in q's dtype. dq_keys:
     keys per step of the dq kernel (64 or 128; 128 halves its steps and doubles its wgmmas' width). stages: the
     pipeline depth of both kernels (a third stage of the dk/dv kernel, whose steps load 32 KB, measured slower on an
-    H100: 349 against 382 TFLOP/s fwd+bwd at T = 4k, results/attention_dkv_stages_h100.json)."""
+    H100: 349 against 382 TFLOP/s fwd+bwd at T = 4k, results/attention_h100.json)."""
     if dq_keys not in (BWD_BLOCK, CTA_ROWS):
         raise ValueError(f"attention backward: dq_keys must be {BWD_BLOCK} or {CTA_ROWS}; got {dq_keys}")
     b, t, h, _ = q.shape

@@ -20,6 +20,7 @@ decode row counts and in one run:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -130,12 +131,30 @@ def head_points(rows_list, vocab, hidden, bw, out, interpret: bool):
             print(f"lm_head rows {rows:4d} {label:32s} {t * 1e3:.4f} ms  bitwise {same}  {roof / (t * 1e3):.2f} of roofline")
 
 
+KIND_OF_PART = {"noise": "noise", "logprob": "logprob", "head": "lm_head"}
+
+
+def keep_other_parts(path: str | None, result: dict, parts: list[str]) -> None:
+    """One file per card holds every part: the points of the parts not run now are kept from the file already at
+    `path` (if any), and `runs` says which run (date, command, copy anchor) measured each part."""
+    prior = json.load(open(path)) if path and os.path.exists(path) else {}
+    kinds = {pt.get("kind") for pt in prior.get("points", [])}
+    header = ("date", "command", "copy_bytes_per_s")
+    runs = prior.get("runs") or {p: {k: prior.get(k) for k in header} for p, kind in KIND_OF_PART.items() if kind in kinds}
+    rerun = {KIND_OF_PART[p] for p in parts}
+    result["points"][:0] = [pt for pt in prior.get("points", []) if pt.get("kind") not in rerun]
+    result["runs"] = {**runs, **{p: {k: result.get(k) for k in header} for p in parts}}
+    for key, value in prior.items():  # e.g. a part's notes and explored variants
+        result.setdefault(key, value)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="64,128,256,512,1024", help="decode / prefill row counts")
     p.add_argument("--parts", default="head,noise,logprob", help="comma list of head, noise, logprob")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: vocab 1024, hidden 128, the kernel interpreted")
-    p.add_argument("--out", default=None, help="JSON path (written after each part)")
+    p.add_argument("--out", default=None, help="JSON path (written after each part; the points of parts not run are "
+                                               "kept from the file already there)")
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     vocab, hidden = (1024, 128) if args.tiny else (151936, 2048)
@@ -144,6 +163,10 @@ def main(argv=None):
     bw = copy_bandwidth(64 if args.tiny else 1024)
     result["copy_bytes_per_s"] = bw
     parts = args.parts.split(",")
+    unknown = set(parts) - set(KIND_OF_PART)
+    if unknown:
+        p.error(f"--parts: unknown {sorted(unknown)}; choose from {', '.join(KIND_OF_PART)}")
+    keep_other_parts(args.out, result, parts)
     if "noise" in parts:
         noise_points(rows, vocab, result["points"])
         if args.out:

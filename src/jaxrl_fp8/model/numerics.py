@@ -103,7 +103,7 @@ _row_sum.defvjp(_row_sum_fwd, _row_sum_bwd)
 # whose threads each add 1,024 leaves, too few threads to pull the bandwidth. The cuts change no add (only where
 # the partial sums are stored), so no bit: measured equal on an H100, where log-softmax + pick over [rows, 151936]
 # took 0.035 / 0.126 / 0.724 ms against 0.039 / 0.162 / 1.022 ms at 64 / 256 / 1706 rows (vocab_side.py
-# --parts logprob, results/vocab_side_logprob_h100.json).
+# --parts logprob, results/vocab_side_h100.json).
 SPLIT_FROM = 1 << 14
 FIRST_LEVELS = 7
 LEVELS_PER_KERNEL = 6
