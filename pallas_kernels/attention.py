@@ -147,15 +147,17 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # ------------------------------------------------------------------------------------------ paged cache
 
 
-def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float, starts=None,
-                    config: FlashConfig = FlashConfig(), interpret: bool = False):
+def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float, starts=None, k_scales=None,
+                    v_scales=None, config: FlashConfig = FlashConfig(), interpret: bool = False):
     """Attention of new tokens over a paged cache that already holds them (prefill: many tokens, decode: one).
 
     q [B, Tq, H, D] bf16; k/v_pages [P, BLOCK_KV, Hkv, D] (page = one key block); page_table int32
     [B, max_pages] (entry i = the pool page holding the row's keys i*BLOCK_KV ...; entries past the row's
     length are never read); positions int32 [B, Tq]: each query's cache slot (it sees slots start .. position);
     starts int32 [B, Tq] (default 0). Pages hold finite values (a fresh pool is zeros): a masked key's
-    probability is exactly 0, and 0 * v is 0 only for finite v. Forward only (rollout needs no gradient)."""
+    probability is exactly 0, and 0 * v is 0 only for finite v. Forward only (rollout needs no gradient).
+    k/v_scales float32 [P, Hkv, BLOCK_KV]: the pages are float8_e4m3fn and key j of page p, head h is
+    pages[p, j, h] x scales[p, h, j] (`jaxrl_fp8.precision.kv`), dequantized in the kernel to q's dtype."""
     b, tq, h, d = q.shape
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape or k_pages.shape[1] != BLOCK_KV or k_pages.shape[3] != d:
         raise ValueError(f"paged_attention: k/v pages {k_pages.shape}, {v_pages.shape} are not [P, {BLOCK_KV}, Hkv, {d}]")
@@ -163,6 +165,16 @@ def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float,
     if reason:
         raise ValueError(f"paged_attention: {reason}")
     hkv = k_pages.shape[2]
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("paged_attention: give both k_scales and v_scales (FP8 pages) or neither")
+    if k_scales is not None:
+        want = (k_pages.shape[0], hkv, BLOCK_KV)
+        if k_scales.shape != want or v_scales.shape != want:
+            raise ValueError(f"paged_attention: k/v scales {k_scales.shape}, {v_scales.shape} are not [P, Hkv, "
+                             f"{BLOCK_KV}] = {list(want)}")
+        if not k_pages.dtype == v_pages.dtype == jnp.float8_e4m3fn:
+            raise ValueError(f"paged_attention: scaled pages must be float8_e4m3fn, got {k_pages.dtype} / {v_pages.dtype}")
+        k_scales, v_scales = (jnp.asarray(x, jnp.float32) for x in (k_scales, v_scales))
     if h % hkv:
         raise ValueError(f"paged_attention: {h} query heads do not divide into {hkv} key/value heads")
     if positions.shape != (b, tq) or page_table.ndim != 2 or page_table.shape[0] != b:
@@ -182,8 +194,8 @@ def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float,
     row_pos, row_start = positions[:, token], starts[:, token]
     n_blocks = (row_pos.reshape(b, r // BLOCK_Q, BLOCK_Q).max(axis=2) // BLOCK_KV + 1).astype(jnp.int32)
     out = paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
-                               jnp.asarray(page_table, jnp.int32), scale=float(scale), stages=config.paged_stages,
-                               interpret=interpret)
+                               jnp.asarray(page_table, jnp.int32), k_scales, v_scales, scale=float(scale),
+                               stages=config.paged_stages, interpret=interpret)
     return out[:, :, :rows].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, h, d)
 
 

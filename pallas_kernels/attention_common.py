@@ -72,9 +72,11 @@ def finish_rows(acc, m_i, l_i):
     return out, m_i + jnp.log2(l_i)
 
 
-def swizzled(dtype):
+def swizzled(dtype, cols: int | None = None):
+    """Shared-memory transforms of a tile whose rows are `cols` wide (None: at least 128 bytes): the widest swizzle
+    a row fills (an FP8 page of head_dim 64 has 64-byte rows)."""
     itemsize = jnp.dtype(dtype).itemsize
-    swizzle = 128
+    swizzle = 128 if cols is None else min(128, cols * itemsize)
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 

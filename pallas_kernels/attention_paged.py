@@ -8,6 +8,11 @@ training forward's operations (`attention_common.online_softmax_step` between tw
 the same absolute blocks, so a token's output has the forward's bits whatever the batch, the cache length,
 the page order in the pool or the number of tokens decoded at once.
 
+FP8 pages (the `kv_cache="fp8"` contract, `jaxrl_fp8.precision.kv`): e4m3 values with one power-of-two scale
+per (token, key/value head). The memory warpgroup reads half the bytes; the compute warpgroup dequantizes a
+block into a BF16 shared-memory tile (value x scale: exact, the scales keep every product a normal BF16
+number) before its wgmma, so the products see the very BF16 keys and values the trainer's forward sees.
+
 Grid (key/value head, 64-row query tile, batch); one compute warpgroup and one TMA warpgroup that reads the
 pages in table order. A tile visits the blocks up to its last row's position (`n_blocks`, from the wrapper).
 """
@@ -15,6 +20,7 @@ pages in table order. A tile visits the blocks up to its last row's position (`n
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -28,11 +34,24 @@ from pallas_kernels.kernel_cache import traced_once
 __all__ = ["paged_rows_attention"]
 
 
+def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
+    """out = values x scale of their key (rows of BLOCK_KV keys), in 64-key halves to bound the registers."""
+    half = BLOCK_KV // 2
+    for h in range(2):
+        keys = pl.ds(h * half, half)
+        x = values_smem[keys].astype(dtype)
+        s = plgpu.load(scales_smem.at[keys], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False).astype(dtype)
+        out_smem[keys] = x * lax.broadcast_in_dim(s, x.shape, [0])
+    plgpu.commit_smem()
+
+
 @traced_once("scale", "stages", "interpret")
-def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, *, scale: float,
-                         stages: int, interpret: bool):
+def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, k_scales=None,
+                         v_scales=None, *, scale: float, stages: int, interpret: bool):
     """q_rows [B, Hkv, R, D], row_pos / row_start int32 [B, Rt], n_blocks int32 [B, Rt / BLOCK_Q], k/v_pages
     [P, BLOCK_KV, Hkv, D], page_table int32 [B, max_pages] -> out [B, Hkv, R, D]; Rt = R rounded up to BLOCK_Q.
+    k/v_scales: None (pages in q's dtype) or float32 [P, Hkv, BLOCK_KV] (float8_e4m3fn pages, power-of-two
+    scales).
 
     R is a multiple of BLOCK_Q, or smaller: then the one tile loads and stores only its R rows (a decode step's G
     query heads), and its other rows, left as they were in shared memory, are computed and dropped (rows of a
@@ -46,14 +65,23 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
     dtype = q_rows.dtype
     c = float(scale * LOG2E)
     transforms = swizzled(dtype)
+    fp8 = k_scales is not None
+    if fp8 != (v_scales is not None) or (fp8 and not (k_pages.dtype == v_pages.dtype == jnp.float8_e4m3fn)):
+        raise ValueError("paged_rows_attention: FP8 pages need float8_e4m3fn k and v pages and both scale arrays")
 
     allocations = [
         plgpu.SMEM((1, BLOCK_Q, d), dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=1),
         a_staging((1, BLOCK_Q, BLOCK_KV), dtype, interpret),
+        plgpu.SMEM((2, BLOCK_KV, d), dtype, transforms=transforms) if fp8 else None,  # dequantized k, v
     ]
 
-    def scoped(q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, o_ref, qo_smem2, q_bar, p_smem2):
+    def scoped(*refs):
+        if fp8:
+            (q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, ks_ref, vs_ref, o_ref,
+             qo_smem2, q_bar, p_smem2, kv16) = refs
+        else:
+            q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, o_ref, qo_smem2, q_bar, p_smem2, _ = refs
         bi, kvh, rt = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("rows")
         wg = lax.axis_index("wg")
         rows = pl.ds(rt * BLOCK_Q, BLOCK_Q)
@@ -75,22 +103,45 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
             plgpu.copy_smem_to_gmem(qo_held, o_ref.at[bi, kvh, q_rows_here])
             plgpu.wait_smem_to_gmem(0)
 
-        def body(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
+        def body(idx, k_smem, v_smem, *rest):
             (step,) = idx
+            if fp8:
+                ks_smem, vs_smem, k_consumed, v_consumed, ks_consumed, vs_consumed, carry = rest
+                _dequantize_block(k_smem, ks_smem, kv16.at[0], dtype)
+                plgpu.barrier_arrive(k_consumed)
+                plgpu.barrier_arrive(ks_consumed)
+                k_smem = kv16.at[0]
+            else:
+                k_consumed, v_consumed, carry = rest
             acc, m_i, l_i, row_pos, row_start = carry
             qk = wgmma_fresh(qo_smem2.at[0], k_smem.transpose((1, 0)), (BLOCK_Q, BLOCK_KV))
-            plgpu.barrier_arrive(k_consumed)
+            if not fp8:
+                plgpu.barrier_arrive(k_consumed)
             visible = visible_keys(BLOCK_Q, step * BLOCK_KV, row_pos, row_start)
             p, m_i, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, c)
+            if fp8:
+                _dequantize_block(v_smem, vs_smem, kv16.at[1], dtype)
+                plgpu.barrier_arrive(v_consumed)
+                plgpu.barrier_arrive(vs_consumed)
+                v_smem = kv16.at[1]
             acc = acc + wgmma_fresh(a_operand(p.astype(dtype), p_smem2, wg, interpret), v_smem, (BLOCK_Q, d))
-            plgpu.barrier_arrive(v_consumed)
+            if not fp8:
+                plgpu.barrier_arrive(v_consumed)
             return acc, m_i, l_i, row_pos, row_start
 
-        page_spec = plgpu.BlockSpec((None, BLOCK_KV, d), lambda s: (pt_ref[bi, s], 0, 0), transforms=transforms)
-        pipeline = block_pipeline(body, steps, [page_spec, page_spec], stages=stages, compute_wgs=1,
-                                  compute_thread=compute_thread)
-        pipeline(k_ref.at[:, :, kvh, :], v_ref.at[:, :, kvh, :])
+        page_dtype = k_ref.dtype
+        page_spec = plgpu.BlockSpec((None, BLOCK_KV, d), lambda s: (pt_ref[bi, s], 0, 0),
+                                    transforms=swizzled(page_dtype, d))
+        specs, operands = [page_spec, page_spec], [k_ref.at[:, :, kvh, :], v_ref.at[:, :, kvh, :]]
+        if fp8:
+            scale_spec = plgpu.BlockSpec((None, BLOCK_KV), lambda s: (pt_ref[bi, s], 0))
+            specs += [scale_spec, scale_spec]
+            operands += [ks_ref.at[:, kvh, :], vs_ref.at[:, kvh, :]]
+        pipeline = block_pipeline(body, steps, specs, stages=stages, compute_wgs=1, compute_thread=compute_thread)
+        pipeline(*operands)
 
     call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, tiles, b),
-                       ("kv_heads", "rows", "batch"), 1, name="attention_paged")
-    return launch(call, q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, interpret=interpret)
+                       ("kv_heads", "rows", "batch"), 1, name="attention_paged_fp8" if fp8 else "attention_paged")
+    scales = (k_scales, v_scales) if fp8 else ()
+    return launch(call, q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, *scales,
+                  interpret=interpret)

@@ -1,6 +1,6 @@
 import pytest
 
-from jaxrl_fp8.config import ConfigError, as_benchmark_run, base_config, validate_config
+from jaxrl_fp8.config import ConfigError, as_benchmark_run, base_config, recipe_of, validate_config
 
 
 def test_defaults_and_shipped_configs_validate():
@@ -34,6 +34,7 @@ def test_defaults_and_shipped_configs_validate():
     ("rl.micro_batch_rows", -2, "config.rl.micro_batch_rows: must be an int >= 0"),
     ("rl.micro_batch_rows", 5, "config.rl.micro_batch_rows: 5 must divide the minibatch"),
     ("rl.logit_chunk_tokens", -1, "config.rl.logit_chunk_tokens: must be an int >= 0"),
+    ("kv_cache", "int8", "config.kv_cache: 'int8' is not a KV-cache format"),
 ])
 def test_bad_values_name_their_key(key, value, msg):
     c = base_config()
@@ -134,3 +135,14 @@ def test_scaled_output_init_scales_only_the_residual_outputs():
     np.testing.assert_array_equal(np.asarray(scaled.embed.embedding.get_value()),
                                   np.asarray(default.embed.embedding.get_value()))
 
+
+
+def test_kv_cache_overrides_the_recipe():
+    c = base_config()
+    assert recipe_of(c).kv_cache == "bf16"
+    c.kv_cache = "fp8"
+    validate_config(c)
+    r = recipe_of(c)
+    assert r.name == "fp8_block" and r.kv_cache == "fp8"
+    c.kv_cache, c.recipe = None, "fp8_block_kv"
+    assert recipe_of(c).kv_cache == "fp8"

@@ -83,7 +83,32 @@ def training_points(lengths, iters, results, out):
         del q, k, v, g
 
 
-def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=(), partial_tile=False):
+def fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps):
+    """The paged decode step over FP8 pages (`kv_cache="fp8"`: e4m3 values, a power-of-two scale per token and
+    head, dequantized in the kernel) of the same keys; its output is compared bit for bit with the BF16 kernel
+    over the dequantized pages (the values the trainer's forward attends over)."""
+    from jaxrl_fp8.precision.kv import quantize_kv
+
+    kq, vq = quantize_kv(kp), quantize_kv(vp)
+    ks, vs = (x.scales.transpose(0, 2, 1) for x in (kq, vq))
+    f8 = jax.jit(lambda q, kp, vp, table, pos, ks, vs: A.paged_attention(q, kp, vp, table, pos, scale=D**-0.5,
+                                                                          k_scales=ks, v_scales=vs))
+    args = (q, kq.values, vq.values, table, pos, ks, vs)
+    r = _time(f8, *args, iters=iters)
+    kv_bytes = 2 * b * s * HKV * (D + 4)
+    row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, "variant": "fp8 kv", **r}
+    if "median_s" in r:
+        row["roofline_s"] = kv_bytes / copy_bps
+        row["fraction_of_roofline"] = row["roofline_s"] / r["median_s"]
+        got = np.asarray(f8(*args).astype(jnp.float32))
+        deq = jax.jit(lambda q, kp, vp, table, pos: A.paged_attention(q, kp, vp, table, pos, scale=D**-0.5))
+        want = np.asarray(deq(q, kq.dequantize(BF16), vq.dequantize(BF16), table, pos).astype(jnp.float32))
+        row["bitwise_vs_bf16_of_dequantized"] = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+    return row
+
+
+def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=(), partial_tile=False,
+                  fp8_kv=False):
     """The paged decode step per (batch, cache length) under the default config, under each pipeline depth of
     `stage_variants` (FlashConfig.paged_stages: fewer stages leave shared memory for a second program per SM) and,
     with `partial_tile`, with the query rows loaded into part of one tile (FlashConfig.paged_partial_tile); each
@@ -127,6 +152,13 @@ def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variant
                       f"roofline fraction {row.get('fraction_of_roofline')}  bitwise {row.get('bitwise_vs_default')}",
                       flush=True)
                 write_results(out, results)
+            if fp8_kv:
+                row = fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps)
+                results["points"].append(row)
+                print(f"decode B={b:4d} S={s:6d} {'fp8 kv':12s} {row.get('median_s', row.get('error'))} s  "
+                      f"roofline fraction {row.get('fraction_of_roofline')}  "
+                      f"bitwise vs dequantized {row.get('bitwise_vs_bf16_of_dequantized')}", flush=True)
+                write_results(out, results)
             del kp, vp
 
 
@@ -148,6 +180,10 @@ def main(argv=None):
     p.add_argument("--paged-partial-tile", action="store_true",
                    help="also time the decode step with its query rows loaded into part of one tile "
                         "(FlashConfig.paged_partial_tile) beside the default's padded tile")
+    p.add_argument("--fp8-kv", action="store_true",
+                   help="also time the decode step over FP8 pages (kv_cache='fp8': e4m3 values and a power-of-two "
+                        "scale per token and head, half the bytes) and compare its bits with the BF16 kernel over "
+                        "the dequantized pages")
     p.add_argument("--out", default="experiments/benchmarks/results/attention_h200.json", help="JSON path")
     a = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -164,7 +200,7 @@ def main(argv=None):
         results["copy_bytes_per_s"] = bps
         decode_points([int(x) for x in a.decode_batches.split(",")], [int(x) for x in a.decode_lengths.split(",")],
                       a.iters, bps, results, a.out, [int(x) for x in a.paged_stages.split(",") if x],
-                      partial_tile=a.paged_partial_tile)
+                      partial_tile=a.paged_partial_tile, fp8_kv=a.fp8_kv)
     write_results(a.out, results)
 
 

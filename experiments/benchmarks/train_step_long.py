@@ -51,7 +51,8 @@ def _step_fn(cfg, recipe):
     from jaxrl_fp8.model.qwen3 import Qwen3
     from jaxrl_fp8.precision import PrecisionPolicy
 
-    policy = PrecisionPolicy.for_format(recipe.train_format, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts)
+    policy = PrecisionPolicy.for_format(recipe.train_format, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts,
+                                        kv_cache=recipe.kv_cache)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
 
     def loss(params, tokens):

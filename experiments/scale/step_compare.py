@@ -70,7 +70,8 @@ def child(args) -> dict:
     plan = S.ShardingPlan(S.make_mesh(S.MeshConfig(**layout["mesh"]), devices=devices))
     cfg = tiny_config(**(MODEL_TINY if args.tiny else MODEL_2B))
     recipe = get_recipe(args.recipe)
-    policy = PrecisionPolicy.for_format(recipe.train_format, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts)
+    policy = PrecisionPolicy.for_format(recipe.train_format, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts,
+                                        kv_cache=recipe.kv_cache)
     seq = 16 if args.tiny and args.seq == 1024 else args.seq
     rl = base_config().rl
     rl.learning_rate = 1e-5

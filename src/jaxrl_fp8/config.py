@@ -10,7 +10,7 @@ import os
 
 import ml_collections
 
-from jaxrl_fp8.precision import RECIPES
+from jaxrl_fp8.precision import KV_CACHE_FORMATS, RECIPES
 
 __all__ = ["base_config", "validate_config", "ConfigError"]
 
@@ -26,6 +26,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.total_steps = 100  # RL steps (one rollout batch + its optimizer updates each)
     c.recipe = "fp8_block"  # a name in jaxrl_fp8.precision.RECIPES
     c.emulate = ml_collections.config_dict.placeholder(bool)  # override the recipe's emulate flag
+    c.kv_cache = ml_collections.config_dict.placeholder(str)  # override the recipe's KV cache: bf16 | fp8 (e4m3, both sides)
     c.hardware = "auto"  # auto | cpu | hopper | blackwell | ampere | amd (validates the recipe)
 
     c.model = ml_collections.ConfigDict()
@@ -174,9 +175,19 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def recipe_of(c: ml_collections.ConfigDict):
+    """The config's recipe with its overrides (`emulate`, `kv_cache`) applied."""
+    from jaxrl_fp8.precision import get_recipe
+
+    overrides = {k: c.get(k) for k in ("emulate", "kv_cache") if c.get(k) is not None}
+    return get_recipe(c.recipe, **overrides)
+
+
 def validate_config(c: ml_collections.ConfigDict) -> None:
     """Raise ConfigError naming the key of the first value that cannot run. Cheap: no arrays, no files read."""
     _check(c.recipe in RECIPES, "recipe", f"{c.recipe!r} is not a recipe; choose one of {', '.join(RECIPES)}")
+    _check(c.get("kv_cache") in (None, *KV_CACHE_FORMATS), "kv_cache",
+           f"{c.get('kv_cache')!r} is not a KV-cache format; choose one of {', '.join(KV_CACHE_FORMATS)}")
     _check(c.hardware in ("auto", "cpu", "hopper", "blackwell", "ampere", "amd"), "hardware", f"{c.hardware!r} is not a hardware family")
     _check(c.total_steps >= 1, "total_steps", f"must be >= 1, got {c.total_steps}")
     _check(bool(c.workdir), "workdir", "must be set")
@@ -254,9 +265,7 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     _check(c.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
     _check(c.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
     # the recipe against the hardware: before any compute
-    from jaxrl_fp8.precision import get_recipe
-
-    recipe = get_recipe(c.recipe, **({} if c.emulate is None else {"emulate": c.emulate}))
+    recipe = recipe_of(c)
     if c.hardware != "auto":
         try:
             recipe.validate_for(c.hardware)

@@ -112,7 +112,8 @@ def _policies(c, recipe, model_cfg):
         recipe.train_format, num_layers=model_cfg.num_hidden_layers, num_experts=model_cfg.num_experts,
         precision_config=p.precision_config or None, num_layers_at_start_in_bf16=p.num_layers_at_start_in_bf16,
         num_layers_at_end_in_bf16=p.num_layers_at_end_in_bf16, extra_high_precision_hf=tuple(p.extra_high_precision_layers_hf),
-        extra_high_precision_trainer=tuple(p.extra_high_precision_layers_trainer), nvfp4_dense=p.nvfp4_dense)
+        extra_high_precision_trainer=tuple(p.extra_high_precision_layers_trainer), nvfp4_dense=p.nvfp4_dense,
+        kv_cache=recipe.kv_cache)
     return train, train.with_format(recipe.rollout_format)
 
 
@@ -169,7 +170,7 @@ def run(c, on_step=None) -> str:
     phase timers `rollout_seconds`, `train_seconds` = `logprob_seconds` + `update_seconds`, `sync_seconds`,
     `step_seconds`, and the mismatch metrics), before they are written; it may add keys to `metrics` (written too).
     """
-    from jaxrl_fp8.config import validate_config
+    from jaxrl_fp8.config import recipe_of, validate_config
 
     validate_config(c)  # before anything heavy is imported or computed
     from jaxrl_fp8 import distributed
@@ -181,11 +182,11 @@ def run(c, on_step=None) -> str:
     from jaxrl_fp8.checkpoint import Checkpointer
     from jaxrl_fp8.data.pipeline import LoaderConfig, PromptLoader
     from jaxrl_fp8.metrics import MetricsWriter
-    from jaxrl_fp8.precision import detect_hardware, get_recipe
+    from jaxrl_fp8.precision import detect_hardware
     from jaxrl_fp8.rl.rewards import get_reward_fn
     from jaxrl_fp8.rl.trainer import Trainer, make_optimizer
 
-    recipe = get_recipe(c.recipe, **({} if c.emulate is None else {"emulate": c.emulate}))
+    recipe = recipe_of(c)
     hardware = detect_hardware() if c.hardware == "auto" else c.hardware
     recipe.validate_for(hardware)
     workdir = os.path.abspath(c.workdir)

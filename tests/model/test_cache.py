@@ -97,3 +97,50 @@ def test_paged_decode_equals_dense_decode_and_full_forward_bitwise(recipe):
     full = np.asarray(policy.forward(ids, precision="rollout").logits)
     np.testing.assert_array_equal(paged, full)
     assert not np.asarray(cache.k[0])[4].any()  # the spare page stayed zero
+
+
+def test_fp8_pool_stores_values_and_scales_and_reads_them_dequantized():
+    from jaxrl_fp8.precision.kv import quantize_kv
+
+    table = np.array([[2, 0, -1], [1, -1, -1]], np.int32)
+    cache = init_paged_cache(CFG, table, 3, PAGE, kv_cache="fp8")
+    assert cache.fp8 and cache.k[0].dtype == jnp.float8_e4m3fn
+    assert cache.k_scales[0].shape == (3, CFG.num_key_value_heads, PAGE)
+    x = np.random.default_rng(1).normal(size=(B, 6, CFG.num_key_value_heads, CFG.head_dim)).astype(np.float32) * 7
+    kq, vq = quantize_kv(jnp.asarray(x)), quantize_kv(jnp.asarray(-x))
+    slots = np.broadcast_to(np.arange(6), (B, 6))  # row 1 owns one page: its slots 4, 5 are dropped
+    cache = cache.write(1, kq, vq, jnp.asarray(slots))
+    k, v = cache.dense(1)
+    np.testing.assert_array_equal(np.asarray(k)[0, :6], np.asarray(kq.dequantize())[0])
+    np.testing.assert_array_equal(np.asarray(v)[1, :4], np.asarray(vq.dequantize())[1, :4])
+    assert not np.asarray(k)[1, 4:PAGE].any()  # the unowned slots of row 1 were dropped (page 0 read back: zeros)
+    np.testing.assert_array_equal(np.asarray(cache.k_scales[1])[2, :, 1], np.asarray(kq.scales)[0, 1])
+    ks, vs = cache.scales(1)
+    assert ks is cache.k_scales[1] and init_cache(CFG, B, 8).scales(0) == (None, None)
+    copied = cache.map_pages(lambda a: a.at[jnp.asarray([0])].set(a[jnp.asarray([2])]))
+    np.testing.assert_array_equal(np.asarray(copied.k_scales[1])[0], np.asarray(cache.k_scales[1])[2])
+    np.testing.assert_array_equal(np.asarray(copied.v[1])[0].view(np.uint8), np.asarray(cache.v[1])[2].view(np.uint8))
+    with pytest.raises(ValueError, match="kv_cache must be 'fp8'"):
+        cache.write(0, jnp.asarray(x), jnp.asarray(x), jnp.asarray(slots))
+    # a plain pool (or the dense cache) given FP8 pairs stores their values: the same numbers, no saving
+    plain = init_paged_cache(CFG, table, 3, PAGE, jnp.float32).write(1, kq, vq, jnp.asarray(slots))
+    np.testing.assert_array_equal(np.asarray(plain.dense(1)[0]), np.asarray(k))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block_kv"])
+def test_fp8_kv_decode_over_fp8_pages_equals_full_forward_bitwise(recipe):
+    """kv_cache='fp8': decoding over FP8 pages == decoding over a dense cache of the dequantized values == the full
+    forward over fake-quantized keys, bit for bit; and the contract changes the numbers (the keys are rounded)."""
+    from jaxrl_fp8.precision import get_recipe
+
+    policy = M.random_policy(CFG, seed=3, dtype="float32", recipe=get_recipe(recipe))
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (B, T))
+    table = np.array([[5, 0, 3, -1], [2, 6, 1, -1]], np.int32)
+    paged, cache = _decode(policy, ids, init_paged_cache(CFG, table, 7, PAGE, kv_cache="fp8"))
+    assert cache.fp8
+    dense, _ = _decode(policy, ids, policy.init_cache(B, 16))
+    np.testing.assert_array_equal(paged, dense)
+    full = np.asarray(policy.forward(ids, precision="rollout").logits)
+    np.testing.assert_array_equal(paged, full)
+    plain = M.random_policy(CFG, seed=3, dtype="float32", recipe=get_recipe("fp8_block"))
+    assert not np.array_equal(np.asarray(plain.forward(ids, precision="rollout").logits), full)

@@ -160,6 +160,57 @@ def test_prefill_and_batch_give_the_training_forward_bits():
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, 200:264])
 
 
+def _fp8_pages(kp, vp):
+    """FP8 pages of the contract (precision.kv) and their scales [P, Hkv, page], plus the dequantized BF16 pages."""
+    from jaxrl_fp8.precision.kv import quantize_kv
+
+    kq, vq = quantize_kv(kp), quantize_kv(vp)
+    return (kq.values, vq.values, kq.scales.transpose(0, 2, 1), vq.scales.transpose(0, 2, 1),
+            kq.dequantize(BF16), vq.dequantize(BF16))
+
+
+@pytest.mark.parametrize("partial_tile", [False, True])
+def test_fp8_pages_give_the_bits_of_their_dequantized_values(partial_tile):
+    """FP8 pages (e4m3 + a power-of-two scale per token and head, dequantized in the kernel) == the BF16 kernel over
+    the dequantized pages, bit for bit, for decode rows and a prefill tile; and == the training forward over the
+    fake-quantized keys (what the trainer attends over under kv_cache='fp8')."""
+    from jaxrl_fp8.precision.kv import fake_quantize_kv
+
+    b, t, h, hkv, d = 2, 300, 8, 2, 64
+    q, k, v = _qkv(b, t, h, hkv, d, seed=8)
+    k, v = k * 5, v * 0.01  # scales far from 1
+    kp, vp, table = _pages(k, v, 3, 8, seed=8)
+    k8, v8, ks, vs, kd, vd = _fp8_pages(kp, vp)
+    pos = np.array([299, 130])
+    qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
+    cfg = A.FlashConfig(paged_partial_tile=partial_tile)
+    run = lambda *pages, **kw: np.asarray(A.paged_attention(qd, *pages, table, jnp.asarray(pos)[:, None], scale=d**-0.5,
+                                                            config=cfg, interpret=_interpret(), **kw).astype(jnp.float32))
+    got = run(k8, v8, k_scales=ks, v_scales=vs)
+    np.testing.assert_array_equal(got, run(kd, vd))
+    full = np.asarray(A.flash_attention(q, fake_quantize_kv(k), fake_quantize_kv(v), scale=d**-0.5,
+                                        interpret=_interpret()).astype(jnp.float32))
+    for i in range(b):
+        np.testing.assert_array_equal(got[i, 0], full[i, pos[i]])
+    pre = jnp.broadcast_to(jnp.arange(200, 264, dtype=jnp.int32), (b, 64))
+    out = A.paged_attention(q[:, 200:264], k8, v8, table, pre, scale=d**-0.5, k_scales=ks, v_scales=vs,
+                            interpret=_interpret())
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, 200:264])
+
+
+def test_fp8_pages_bad_arguments_name_themselves():
+    q, k, v = _qkv(1, 130, 4, 2, 64)
+    kp, vp, table = _pages(k, v, 2, 2)
+    k8, v8, ks, vs, _, _ = _fp8_pages(kp, vp)
+    pos = jnp.asarray([[129]], jnp.int32)
+    with pytest.raises(ValueError, match="both k_scales and v_scales"):
+        A.paged_attention(q[:, :1], k8, v8, table, pos, scale=1.0, k_scales=ks, interpret=True)
+    with pytest.raises(ValueError, match="are not \\[P, Hkv"):
+        A.paged_attention(q[:, :1], k8, v8, table, pos, scale=1.0, k_scales=ks[:, :1], v_scales=vs, interpret=True)
+    with pytest.raises(ValueError, match="must be float8_e4m3fn"):
+        A.paged_attention(q[:, :1], kp, vp, table, pos, scale=1.0, k_scales=ks, v_scales=vs, interpret=True)
+
+
 def test_bad_shapes_name_themselves():
     q, k, v = _qkv(1, 8, 4, 3, 64)
     with pytest.raises(ValueError, match="do not divide"):
@@ -193,6 +244,35 @@ def test_gpu_long_rows_bits_and_accuracy():
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
     alone = np.asarray(A.flash_attention(q[1:, :3000], k[1:, :3000], v[1:, :3000], scale=sc).astype(jnp.float32))
     np.testing.assert_array_equal(alone[0], full[1, :3000])
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_pages_bits_at_4k():
+    """4k-token rows, Qwen3-30B-A3B heads: the FP8-page kernel (dequantized in shared memory) == the BF16 kernel over
+    the dequantized pages == the training forward over the fake-quantized keys, bit for bit (decode and prefill)."""
+    from jaxrl_fp8.precision.kv import fake_quantize_kv
+
+    b, t, h, hkv, d = 2, 4096, 32, 4, 128
+    q, k, v = _qkv(b, t, h, hkv, d, seed=6)
+    sc = d**-0.5
+    n_pages = t // A.BLOCK_KV
+    kp, vp, table = _pages(k, v, n_pages, 2 * n_pages + 3, seed=6)
+    k8, v8, ks, vs, kd, vd = _fp8_pages(kp, vp)
+    full = np.asarray(A.flash_attention(q, fake_quantize_kv(k), fake_quantize_kv(v), scale=sc).astype(jnp.float32))
+    pos = np.array([4095, 1000])
+    qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
+    for partial_tile in (False, True):
+        cfg = A.FlashConfig(paged_partial_tile=partial_tile)
+        got = np.asarray(A.paged_attention(qd, k8, v8, table, jnp.asarray(pos)[:, None], scale=sc, config=cfg,
+                                           k_scales=ks, v_scales=vs).astype(jnp.float32))
+        deq = np.asarray(A.paged_attention(qd, kd, vd, table, jnp.asarray(pos)[:, None], scale=sc, config=cfg)
+                         .astype(jnp.float32))
+        np.testing.assert_array_equal(got, deq)
+        for i in range(b):
+            np.testing.assert_array_equal(got[i, 0], full[i, pos[i]])
+    pre = jnp.broadcast_to(jnp.arange(0, 256, dtype=jnp.int32), (b, 256))
+    out = A.paged_attention(q[:, :256], k8, v8, table, pre, scale=sc, k_scales=ks, v_scales=vs)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
 
 
 @pytest.mark.gpu

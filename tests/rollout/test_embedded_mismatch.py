@@ -69,7 +69,8 @@ def _bits(x):
     return np.asarray(x, np.float32).view(np.uint32)
 
 
-@pytest.mark.parametrize("recipe,dtype", [("bf16", "float32"), ("fp8_block", "float32"), ("bf16", "bfloat16")])
+@pytest.mark.parametrize("recipe,dtype", [("bf16", "float32"), ("fp8_block", "float32"), ("bf16", "bfloat16"),
+                                          ("fp8_block_kv", "float32"), ("fp8_block_kv", "bfloat16")])
 def test_unified_rollout_logprobs_equal_trainer_bitwise(recipe, dtype):
     """float32 masters (the trainer's default) and bfloat16 parameters (a BF16 checkpoint served as is)."""
     policy, samples = _rollout(recipe, dtype)

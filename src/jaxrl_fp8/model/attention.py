@@ -100,7 +100,9 @@ def cache_attention(q, cache, layer: int, slots, *, scale: float, impl: str):
         from pallas_kernels.attention import BLOCK_KV, paged_attention
 
         k_pages, v_pages, table = cache.pages(layer, BLOCK_KV)
-        return paged_attention(q, k_pages, v_pages, table, slots, scale=scale, interpret=_interpret())
+        k_scales, v_scales = cache.scales(layer)
+        return paged_attention(q, k_pages, v_pages, table, slots, scale=scale, k_scales=k_scales, v_scales=v_scales,
+                               interpret=_interpret())
     k, v = cache.dense(layer)
     return attention(q, k, v, cache_mask(slots, k.shape[1]), scale=scale, impl=impl)
 

@@ -66,6 +66,8 @@ class Policy:
         cfg = model.cfg
         if precision is None and recipe is not None:
             precision = PrecisionPolicy.for_format(recipe.train_format, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts)
+        if recipe is not None:
+            precision = precision.with_kv_cache(recipe.kv_cache)  # the recipe's contract holds on both sides
         self.train_precision = precision
         self.rollout_precision = None
         if recipe is not None:

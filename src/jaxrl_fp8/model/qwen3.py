@@ -21,6 +21,7 @@ from jaxrl_fp8.model.cache import KVCache, PagedKVCache
 from jaxrl_fp8.model.config import ModelConfig
 from jaxrl_fp8.model.numerics import rms_norm, silu
 from jaxrl_fp8.model.rope import apply_rope, rope_cos_sin
+from jaxrl_fp8.precision.kv import fake_quantize_kv, quantize_kv
 
 F32 = jnp.float32
 
@@ -72,6 +73,11 @@ class _Ctx:
 
     def fmt(self, trainer_path: str) -> str | None:
         return None if self.policy is None else self.policy.format_for_trainer(trainer_path)
+
+    @property
+    def kv_fp8(self) -> bool:
+        """The recipe's KV cache is FP8 (precision.kv): k/v are quantized where attention reads them."""
+        return self.policy is not None and self.policy.kv_cache == "fp8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +132,12 @@ class Attention(nnx.Module):
         k = rms_norm(k, self.k_norm.scale.get_value(), cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
+            if ctx.kv_fp8:  # the keys and values a cache would give back (gradient: straight through)
+                k, v = fake_quantize_kv(k), fake_quantize_kv(v)
             out = sequence_attention(q, k, v, seq.segment_ids, scale=d**-0.5, impl=seq.impl)
         else:
+            if ctx.kv_fp8:
+                k, v = quantize_kv(k), quantize_kv(v)
             cache = cache.write(self.layer, k, v, seq.slots)
             out = cache_attention(q, cache, self.layer, seq.slots, scale=d**-0.5, impl=seq.impl)
         return self._proj("o_proj", out.reshape(b, t, -1), ctx), cache

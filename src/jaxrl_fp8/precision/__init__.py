@@ -31,6 +31,7 @@ from jaxrl_fp8.precision.fp8 import (
     quantize_fp8_per_tensor,
     quantize_fp8_per_token_group,
 )
+from jaxrl_fp8.precision.kv import KV_CACHE_FORMATS, QuantizedKV, dequantize_kv, fake_quantize_kv, quantize_kv
 from jaxrl_fp8.precision.mx import dequantize_mxfp8, e8m0_to_float, float_to_e8m0, quantize_mxfp8
 from jaxrl_fp8.precision.nvfp4 import dequantize_nvfp4, nvfp4_global_amax, quantize_nvfp4, quantize_nvfp4_pair
 from jaxrl_fp8.precision.policy import PrecisionPolicy, load_precision_config

@@ -24,6 +24,7 @@ import re
 
 from jaxrl_fp8.precision import names as N
 from jaxrl_fp8.precision.formats import BF16, FORMATS, NVFP4, QUANTIZED_FORMATS
+from jaxrl_fp8.precision.kv import check_kv_cache
 
 __all__ = ["PrecisionPolicy", "load_precision_config"]
 
@@ -87,8 +88,10 @@ class PrecisionPolicy:
     rules: tuple[Rule, ...] = ()
     on_split_group: str = "extend"  # or "error"
     nvfp4_dense: bool = False  # NVFP4 also on attention / dense MLP projections (default: experts only)
+    kv_cache: str = "bf16"  # the recipe's KV-cache contract (precision.kv): "fp8" quantizes k/v where attention reads them
 
     def __post_init__(self):
+        check_kv_cache(self.kv_cache, what="PrecisionPolicy.kv_cache")
         if self.fmt not in FORMATS:
             raise ValueError(f"PrecisionPolicy.fmt={self.fmt!r} is not one of {', '.join(FORMATS)}")
         if self.on_split_group not in ("extend", "error"):
@@ -117,6 +120,9 @@ class PrecisionPolicy:
     def with_format(self, fmt: str) -> "PrecisionPolicy":
         """Same exceptions, another base format (e.g. the rollout side of a recipe)."""
         return dataclasses.replace(self, fmt=fmt)
+
+    def with_kv_cache(self, kv_cache: str) -> "PrecisionPolicy":
+        return self if kv_cache == self.kv_cache else dataclasses.replace(self, kv_cache=kv_cache)
 
     # -- decisions ---------------------------------------------------------------------------------
     def _raw(self, hf_name: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_fp8.precision.formats import BF16, FORMATS, FP8_BLOCK, MXFP8, NVFP4
+from jaxrl_fp8.precision.kv import KV_CACHE_FORMATS
 
 __all__ = ["Recipe", "RECIPES", "get_recipe", "COMPATIBLE_TRAIN_FORMATS", "BACKWARD_MODES", "detect_hardware", "HARDWARE_NATIVE"]
 
@@ -53,8 +54,11 @@ class Recipe:
     emulate: bool = False  # allow MXFP8/NVFP4 where not native: quantize -> dequantize -> BF16 GEMM
     pow2_scale: bool = False  # rollout's FP8 block scales rounded up to powers of two (SGLang ue8m0); BF16 trainers only
     four_over_six: bool = False  # NVFP4: per block map max to 4 or 6, whichever errs less
+    kv_cache: str = "bf16"  # "fp8": keys and values in e4m3, a power-of-two scale per token and head, both sides
 
     def __post_init__(self):
+        if self.kv_cache not in KV_CACHE_FORMATS:
+            raise ValueError(f"recipe {self.name!r}: kv_cache={self.kv_cache!r}; expected one of {', '.join(KV_CACHE_FORMATS)}")
         for field, value in (("rollout_format", self.rollout_format), ("train_format", self.train_format)):
             if value not in FORMATS:
                 raise ValueError(f"recipe {self.name!r}: {field}={value!r} is not a format; expected one of {', '.join(FORMATS)}")
@@ -108,6 +112,7 @@ RECIPES: dict[str, Recipe] = {
     for r in (
         Recipe("bf16", BF16, BF16, "high_precision"),
         Recipe("fp8_block", FP8_BLOCK, FP8_BLOCK, "fp8"),
+        Recipe("fp8_block_kv", FP8_BLOCK, FP8_BLOCK, "fp8", kv_cache="fp8"),
         Recipe("fp8_block_hp_backward", FP8_BLOCK, FP8_BLOCK, "high_precision"),
         Recipe("bf16_train_fp8_rollout", FP8_BLOCK, BF16, "high_precision"),
         Recipe("mxfp8", MXFP8, MXFP8, "fp8", emulate=True),

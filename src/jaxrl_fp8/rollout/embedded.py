@@ -293,7 +293,7 @@ class EmbeddedEngine:
             self.precision = None
         else:
             base = policy or PrecisionPolicy.for_format(recipe.train_format, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts)
-            self.precision = base.with_format(recipe.rollout_format)
+            self.precision = base.with_format(recipe.rollout_format).with_kv_cache(recipe.kv_cache)
         for t in self.config.eos_token_ids:
             if not 0 <= t < cfg.vocab_size:
                 raise ValueError(f"eos_token_ids holds {t}, outside the vocabulary [0, {cfg.vocab_size})")

@@ -121,7 +121,7 @@ def _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows: _Rows, c
     b = prompt_ids.shape[0]
     cfg = model.cfg
     if pages is not None:
-        cache = init_paged_cache(cfg, page_table, pages.num_pages, pages.page_size, dtype)
+        cache = init_paged_cache(cfg, page_table, pages.num_pages, pages.page_size, dtype, kv_cache_of(precision))
     else:
         cache = init_cache(cfg, b, cache_len, dtype)
         if placement is not None:
@@ -200,12 +200,17 @@ class SlotState:
     prompt_logits: jax.Array
 
 
+def kv_cache_of(precision) -> str:
+    """The KV-cache format a rollout precision policy (or None: the parameters' dtype) decodes into."""
+    return "bf16" if precision is None else precision.kv_cache
+
+
 def init_slots(cfg, *, slots: int, table_width: int, num_pages: int, page_size: int, max_new: int, stop_width: int,
-               prompts: int, dtype) -> SlotState:
-    """Empty slots (all done, no pages) over a zeroed pool."""
+               prompts: int, dtype, kv_cache: str = "bf16") -> SlotState:
+    """Empty slots (all done, no pages) over a zeroed pool (`kv_cache` "fp8": FP8 pages, precision.kv)."""
     s, n = int(slots), int(max_new)
     k = max(cfg.num_experts_per_tok, 1)
-    cache = init_paged_cache(cfg, jnp.full((s, int(table_width)), -1, jnp.int32), num_pages, page_size, dtype)
+    cache = init_paged_cache(cfg, jnp.full((s, int(table_width)), -1, jnp.int32), num_pages, page_size, dtype, kv_cache)
     rows = _Rows(jnp.zeros((s,), jnp.float32), jnp.full((s,), -1, jnp.int32), jnp.ones((s,), jnp.float32),
                  jnp.zeros((s,), jnp.uint32), jnp.zeros((s,), jnp.int32), jnp.full((s, int(stop_width)), -1, jnp.int32))
     return SlotState(cache, jnp.zeros((s, n), jnp.int32), jnp.zeros((s, n), jnp.float32),
@@ -226,7 +231,7 @@ def _slot_step(model, precision, s: SlotState, plain: bool | None = None) -> Slo
     cache_in = dataclasses.replace(c, page_table=jnp.where(active[:, None], c.page_table, -1),
                                    lengths=jnp.where(active, c.lengths, 0))
     out = model(feed[:, None], cache=cache_in, policy=precision)
-    cache = dataclasses.replace(c, k=out.cache.k, v=out.cache.v, lengths=jnp.where(active, c.lengths + 1, c.lengths))
+    cache = dataclasses.replace(out.cache, page_table=c.page_table, lengths=jnp.where(active, c.lengths + 1, c.lengths))
     routed = s.routed.at[idx, jnp.where(active, s.count - 1, n)].set(out.routed_experts[:, 0], mode="drop")
     logits = out.logits[:, 0]
     r = s.rows
@@ -271,9 +276,9 @@ def prefill_prompts(graphdef, state, s: SlotState, prompt_ids, prompt_lens, page
     Returns (state, routed experts of the prompt positions [U, Pb, layers, k])."""
     model = nnx.merge(graphdef, state)
     u = prompt_ids.shape[0]
-    cache = PagedKVCache(s.cache.k, s.cache.v, page_table, jnp.zeros((u,), jnp.int32))
+    cache = dataclasses.replace(s.cache, page_table=page_table, lengths=jnp.zeros((u,), jnp.int32))
     out = model(prompt_ids, cache=cache, policy=precision, logits_at=prompt_lens - 1)
-    pool = dataclasses.replace(s.cache, k=out.cache.k, v=out.cache.v)
+    pool = dataclasses.replace(out.cache, page_table=s.cache.page_table, lengths=s.cache.lengths)
     logits = s.prompt_logits.at[entries].set(out.logits[:, 0], mode="drop")
     return dataclasses.replace(s, cache=pool, prompt_logits=logits), out.routed_experts
 
@@ -286,9 +291,7 @@ def place_rows(s: SlotState, slots, entries, page_table, prompt_lens, rows: _Row
     row from prompt_logits[entries] and set the slots' page tables [A, W], lengths (= prompt lengths), buffers
     and sampling parameters. plain: as `decode_slots`' (the host knows every row's parameters, so the draw needs
     no conditional, whose predicate a GPU reads back on the host)."""
-    pool = s.cache
-    k = tuple(x.at[copy_dst].set(x[copy_src], mode="drop") for x in pool.k)
-    v = tuple(x.at[copy_dst].set(x[copy_src], mode="drop") for x in pool.v)
+    pool = s.cache.map_pages(lambda x: x.at[copy_dst].set(x[copy_src], mode="drop"))
     a, n = slots.shape[0], s.tokens.shape[1]
     logits = s.prompt_logits[entries]
     done = rows.max_new <= 0
@@ -305,7 +308,7 @@ def place_rows(s: SlotState, slots, entries, page_table, prompt_lens, rows: _Row
     def put(full, new):
         return full.at[slots].set(new.astype(full.dtype), mode="drop")
 
-    cache = dataclasses.replace(pool, k=k, v=v, page_table=put(pool.page_table, page_table),
+    cache = dataclasses.replace(pool, page_table=put(pool.page_table, page_table),
                                 lengths=put(pool.lengths, prompt_lens))
     return dataclasses.replace(
         s, cache=cache, tokens=put(s.tokens, tokens), logprobs=put(s.logprobs, logprobs),

@@ -112,7 +112,7 @@ class ContinuousScheduler:
         st = collections.Counter()
         self.s = programs.init_slots(eng.model_config, slots=self.slots, table_width=self.width, num_pages=self.num_pages,
                                      page_size=self.ps, max_new=self.max_new, stop_width=self.stop_width,
-                                     prompts=self.slots, dtype=w.dtype)
+                                     prompts=self.slots, dtype=w.dtype, kv_cache=programs.kv_cache_of(eng.precision))
         bar = None
         if ec.progress:
             from tqdm import tqdm
