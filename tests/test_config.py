@@ -146,3 +146,11 @@ def test_kv_cache_overrides_the_recipe():
     assert r.name == "fp8_block" and r.kv_cache == "fp8"
     c.kv_cache, c.recipe = None, "fp8_block_kv"
     assert recipe_of(c).kv_cache == "fp8"
+
+
+def test_sglang_cannot_keep_the_fp8_kv_contract():
+    c = base_config()
+    c.rollout.engine, c.rollout.sglang_urls, c.rollout.weight_sync_dir = "sglang", ("http://h:1",), "/tmp/w"
+    c.kv_cache = "fp8"
+    with pytest.raises(ConfigError, match="config.rollout.engine: engine=sglang cannot keep the FP8 KV-cache"):
+        validate_config(c)

@@ -221,6 +221,8 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     if r.engine == "sglang":
         _check(len(r.sglang_urls) > 0, "rollout.sglang_urls", "engine=sglang needs at least one server URL")
         _check(bool(r.weight_sync_dir), "rollout.weight_sync_dir", "engine=sglang needs a shared directory for weight updates")
+        _check(recipe_of(c).kv_cache != "fp8", "rollout.engine", "engine=sglang cannot keep the FP8 KV-cache contract (kv_cache='fp8': a power-of-two "
+               "scale per token and head; SGLang's fp8 KV cache scales per tensor): use engine=embedded or kv_cache=bf16")
     from jaxrl_fp8.sharding import PLACEMENTS
 
     placement = r.get("placement", "separate")
