@@ -1,6 +1,6 @@
 """On the H200, at the lengths RL runs: the embedded engine on the flash kernels (paged prefill + paged decode)
 gives every response token the log-prob the trainer's recomputation gives it (the fused training forward over
-prompt + response), bit for bit, for the unified bf16 and fp8_block recipes.
+prompt + response), bit for bit, for the unified bf16, fp8_block and fp8_block_kv (FP8 KV cache) recipes.
 
 The slice is Qwen3-30B-A3B-shaped (hidden 2048, 32/4 heads of 128, 128 experts of 768, top-8; two layers), the
 batch 64 rows of 4096-token responses after 64-token prompts (ignore_eos: every row runs the whole length).
@@ -39,7 +39,7 @@ def _trainer_logprobs(policy, samples):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["bf16", "fp8_block"])
+@pytest.mark.parametrize("name", ["bf16", "fp8_block", "fp8_block_kv"])
 def test_gpu_flash_rollout_equals_trainer_bitwise_at_4k(name):
     assert resolve_impl("auto", CFG.head_dim, np.dtype("bfloat16")) == "flash"
     policy = random_policy(CFG, seed=7, dtype="bfloat16", recipe=get_recipe(name))
