@@ -35,9 +35,10 @@ __all__ = ["paged_rows_attention"]
 
 
 def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
-    """out = values x scale of their key (rows of BLOCK_KV keys), in 64-key halves to bound the registers."""
+    """out = values x scale of their key (rows of BLOCK_KV keys), in 64-key halves to bound the registers; then
+    a proxy fence, so the wgmmas (async proxy) see the stores."""
     half = BLOCK_KV // 2
-    for h in range(2):
+    for h in range(BLOCK_KV // half):
         keys = pl.ds(h * half, half)
         x = values_smem[keys].astype(dtype)
         s = plgpu.load(scales_smem.at[keys], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False).astype(dtype)
@@ -105,27 +106,24 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
 
         def body(idx, k_smem, v_smem, *rest):
             (step,) = idx
-            if fp8:
-                ks_smem, vs_smem, k_consumed, v_consumed, ks_consumed, vs_consumed, carry = rest
+            if fp8:  # both halves of the block into BF16 first: the pipeline slots free before any wgmma
+                ks_smem, vs_smem, *consumed, carry = rest
                 _dequantize_block(k_smem, ks_smem, kv16.at[0], dtype)
-                plgpu.barrier_arrive(k_consumed)
-                plgpu.barrier_arrive(ks_consumed)
-                k_smem = kv16.at[0]
+                _dequantize_block(v_smem, vs_smem, kv16.at[1], dtype)
+                for barrier in consumed:
+                    plgpu.barrier_arrive(barrier)
+                k_smem, v_smem = kv16.at[0], kv16.at[1]
+                k_consumed = v_consumed = None
             else:
                 k_consumed, v_consumed, carry = rest
             acc, m_i, l_i, row_pos, row_start = carry
             qk = wgmma_fresh(qo_smem2.at[0], k_smem.transpose((1, 0)), (BLOCK_Q, BLOCK_KV))
-            if not fp8:
+            if k_consumed is not None:
                 plgpu.barrier_arrive(k_consumed)
             visible = visible_keys(BLOCK_Q, step * BLOCK_KV, row_pos, row_start)
             p, m_i, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, c)
-            if fp8:
-                _dequantize_block(v_smem, vs_smem, kv16.at[1], dtype)
-                plgpu.barrier_arrive(v_consumed)
-                plgpu.barrier_arrive(vs_consumed)
-                v_smem = kv16.at[1]
             acc = acc + wgmma_fresh(a_operand(p.astype(dtype), p_smem2, wg, interpret), v_smem, (BLOCK_Q, d))
-            if not fp8:
+            if v_consumed is not None:
                 plgpu.barrier_arrive(v_consumed)
             return acc, m_i, l_i, row_pos, row_start
 

@@ -85,6 +85,17 @@ def test_tiny_workload_runs_and_reports_targets(tmp_path):
     assert set(m["comparison"]["roofline_fraction_at_slots"]) == {"bf16", "fp8_block"}  # bitwise steps only
     assert len(m["merged_from"]) == 2
 
+    # the FP8 KV cache (fp8_block_kv) appended: its own ratio to bf16, and a step that reads about half the K/V bytes
+    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--recipes", "fp8_block_kv", "--schedulers", "continuous",
+                        "--append", "--out", str(out)], env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert p.returncode == 0, f"{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
+    kv = json.loads(out.read_text())
+    assert isinstance(kv["comparison"]["fp8_kv_over_bf16"]["met"], bool) and "fp8_over_bf16" in kv["comparison"]
+    step = {s["recipe"]: s for s in kv["decode_step"] if s["prompt_len"] == 12}
+    ratio = step["fp8_block_kv"]["bytes_per_step"]["kv_read_live"] / step["fp8_block"]["bytes_per_step"]["kv_read_live"]
+    head_dim = kv["model"]["head_dim"]
+    assert ratio == pytest.approx((head_dim + 4) / (2 * head_dim))
+
 
 def test_merge_refuses_another_workload(tmp_path):
     sys.path.insert(0, str(SCRIPT.parent))

@@ -100,11 +100,16 @@ def test_run_benchmark_keys_on_step_ignore_eos_chunked_logprobs(tmp_path):
 
     alive = []
 
+    def models_alive():  # other tests of this worker may keep theirs (module-level caches): count the run's only
+        gc.collect()
+        return sum(isinstance(o, Qwen3) for o in gc.get_objects())
+
+    before = models_alive()
+
     def on_step(step, metrics):
         seen.append((step, dict(metrics)))
         metrics["extra_from_callback"] = 1.5
-        gc.collect()
-        alive.append(sum(isinstance(o, Qwen3) for o in gc.get_objects()))
+        alive.append(models_alive() - before)
 
     run(c, on_step=on_step)
     assert [s for s, _ in seen] == [1, 2]
