@@ -16,7 +16,22 @@ CFG = M.tiny_config(num_hidden_layers=1, mlp_only_layers=(), num_attention_heads
 @pytest.mark.slow
 @in_fresh_process
 def test_flash_continuous_with_shared_pages_equals_static():
-    policy = M.random_policy(CFG, seed=4, dtype="bfloat16")
+    _continuous_equals_static(M.random_policy(CFG, seed=4, dtype="bfloat16"))
+
+
+@pytest.mark.slow
+@in_fresh_process
+def test_flash_continuous_over_fp8_pages_equals_static():
+    """kv_cache "fp8": the continuous pool holds e4m3 pages and their scales (the copied last page takes its scales
+    along) read by the FP8 paged kernel; the static engine's dense cache holds the dequantized values, read by the
+    BF16 kernel: the same bits."""
+    from jaxrl_fp8.precision import get_recipe
+
+    _continuous_equals_static(M.random_policy(CFG, seed=4, dtype="bfloat16", recipe=get_recipe("bf16", kv_cache="fp8")),
+                              fp8_pool=True)
+
+
+def _continuous_equals_static(policy, fp8_pool=False):
     long = list(range(1, 131))  # 130 tokens: one shared page of 128, then the copied last page
     prompts = [long, long, [5, 6, 7]]  # the second request's samples join the first's pages (one of them late)
     params = [SamplingParams(max_new_tokens=5, seed=1), SamplingParams(max_new_tokens=2, n=2, seed=3),
@@ -25,6 +40,7 @@ def test_flash_continuous_with_shared_pages_equals_static():
     engine = EmbeddedEngine(policy, engine_config=EngineConfig(**kw))
     assert engine._attention == "flash" and engine._page_size == 128
     cont = engine.generate(prompts, params, return_routed_experts=True)
+    assert (engine.precision is not None and engine.precision.kv_cache == "fp8") == fp8_pool
     assert engine.last_stats["shared_pages"] >= 2 and engine.last_stats["late_shares"] >= 1
     static = EmbeddedEngine(policy, engine_config=EngineConfig(scheduler="static", **kw)).generate(
         prompts, params, return_routed_experts=True)
