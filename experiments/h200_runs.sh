@@ -277,7 +277,7 @@ case "${1:-}" in
   fp8_kv_workload)  # (~7 min) the rollout workload with bf16, fp8_block and fp8_block_kv (continuous; decode step also at
     # 1280-token prompts) -> $OUT/rollout_workload_<card>.json (fp8_kv_over_bf16 beside fp8_over_bf16)
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-540}" $PY experiments/benchmarks/rollout_workload.py \
-      --recipes bf16,fp8_block,fp8_block_kv --schedulers continuous --step-prompt-lens 1280 \
+      --recipes bf16,fp8_block_kv,fp8_block --schedulers continuous --step-prompt-lens 1280 \
       --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -12 ;;
   paged_stages) timeout 300 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
       --decode-lengths 512,1024,4096 --paged-stages 1,2 --paged-partial-tile --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
