@@ -40,9 +40,10 @@ def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
     half = BLOCK_KV // 2
     for h in range(BLOCK_KV // half):
         keys = pl.ds(h * half, half)
-        x = values_smem[keys].astype(dtype)
-        s = plgpu.load(scales_smem.at[keys], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False).astype(dtype)
-        out_smem[keys] = x * lax.broadcast_in_dim(s, x.shape, [0])
+        # e4m3 -> f16 is the one hardware conversion from FP8 (exact: e4m3 fits f16), then float32 for the scale
+        x = values_smem[keys].astype(jnp.float16).astype(jnp.float32)
+        s = plgpu.load(scales_smem.at[keys], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        out_smem[keys] = (x * lax.broadcast_in_dim(s, x.shape, [0])).astype(dtype)
     plgpu.commit_smem()
 
 

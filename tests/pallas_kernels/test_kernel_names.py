@@ -20,7 +20,7 @@ F8, BF16, F32, I32 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.int32
 
 NAMES = ("gemm_grouped_fp8", "gemm_dense_fp8", "gemm_grouped_bf16_nk", "gemm_grouped_bf16_kn", "gemm_dense_bf16_nk",
          "gemm_dense_bf16_kn", "gemm_wgrad_fp8", "gemm_wgrad_fp8_gather", "gemm_wgrad_bf16", "attention_fwd",
-         "attention_bwd_dq", "attention_bwd_dkv", "attention_paged")
+         "attention_bwd_dq", "attention_bwd_dkv", "attention_paged", "attention_paged_fp8")
 
 
 def _names(fn, *avals) -> set[str]:
@@ -55,6 +55,11 @@ CASES = {
     "attention_paged": (functools.partial(attention.paged_attention, scale=0.125),
                         (S((2, 1, 8, 128), BF16), S((8, attention.BLOCK_KV, 2, 128), BF16),
                          S((8, attention.BLOCK_KV, 2, 128), BF16), S((2, 4), I32), S((2, 1), I32))),
+    "attention_paged_fp8": (lambda q, k, v, table, pos, ks, vs: attention.paged_attention(
+                                q, k, v, table, pos, scale=0.125, k_scales=ks, v_scales=vs),
+                            (S((2, 1, 8, 128), BF16), S((8, attention.BLOCK_KV, 2, 128), F8),
+                             S((8, attention.BLOCK_KV, 2, 128), F8), S((2, 4), I32), S((2, 1), I32),
+                             S((8, 2, attention.BLOCK_KV), F32), S((8, 2, attention.BLOCK_KV), F32))),
 }
 
 
@@ -63,6 +68,22 @@ def test_kernel_lowers_under_its_name(monkeypatch, name):
     monkeypatch.setattr(interpret_mode, "num_sms", lambda interpret: 132)  # no GPU here: an H200's SM count
     fn, avals = CASES[name]
     assert _names(fn, *avals) == {name}
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_kernel_with_rows_in_part_of_a_tile_lowers(monkeypatch, fp8):
+    """FlashConfig.paged_partial_tile: a decode step's 8 query rows (one 8-row group) copied into part of one tile."""
+    monkeypatch.setattr(interpret_mode, "num_sms", lambda interpret: 132)
+    cfg = attention.FlashConfig(paged_partial_tile=True)
+    pages = S((8, attention.BLOCK_KV, 2, 128), F8 if fp8 else BF16)
+    scales = (S((8, 2, attention.BLOCK_KV), F32),) * 2 if fp8 else ()
+
+    def fn(q, k, v, table, pos, *sc):
+        return attention.paged_attention(q, k, v, table, pos, scale=0.125, config=cfg, k_scales=sc[0] if sc else None,
+                                         v_scales=sc[1] if sc else None)
+
+    assert _names(fn, S((2, 1, 8, 128), BF16), pages, pages, S((2, 4), I32), S((2, 1), I32), *scales) == {
+        "attention_paged_fp8" if fp8 else "attention_paged"}
 
 
 @pytest.mark.parametrize("dq_keys", [64, 128])
