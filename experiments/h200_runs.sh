@@ -40,7 +40,7 @@
 #   bash experiments/h200_runs.sh kernels_vs_base  # decode attention + decode GEMMs of this tree vs a carried .base (below)
 #   bash experiments/h200_runs.sh flash_dq   # the dq kernel's 64- vs 128-key steps, fwd+bwd TFLOP/s beside cuDNN
 #   bash experiments/h200_runs.sh fp8_kv     # (~4 min) the FP8 KV cache: paged kernel GPU bit tests + decode step vs BF16 pages
-#   bash experiments/h200_runs.sh fp8_kv_workload  # (~7 min) the rollout workload, bf16 / fp8_block / fp8_block_kv
+#   bash experiments/h200_runs.sh fp8_kv_workload [TIMEOUT] [RECIPES]  # (~7 min) the rollout workload, bf16 / fp8_block_kv / fp8_block
 #   bash experiments/h200_runs.sh dense_decode  # (~3 min) the FP8 dense kernel on the attention projections at decode
 #                                            # rows (64 / 256): 64- and 32-wide column tiles, 4-8 stages, bits against the
 #                                            # default -> $OUT/gemm_dense_decode_<card>.json
@@ -277,7 +277,7 @@ case "${1:-}" in
   fp8_kv_workload)  # (~7 min) the rollout workload with bf16, fp8_block and fp8_block_kv (continuous; decode step also at
     # 1280-token prompts) -> $OUT/rollout_workload_<card>.json (fp8_kv_over_bf16 beside fp8_over_bf16)
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-540}" $PY experiments/benchmarks/rollout_workload.py \
-      --recipes bf16,fp8_block_kv,fp8_block --schedulers continuous --step-prompt-lens 1280 \
+      --recipes "${3:-bf16,fp8_block_kv,fp8_block}" --schedulers continuous --step-prompt-lens 1280 \
       --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -12 ;;
   paged_stages) timeout 300 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
       --decode-lengths 512,1024,4096 --paged-stages 1,2 --paged-partial-tile --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
