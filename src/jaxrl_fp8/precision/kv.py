@@ -28,6 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl_fp8.precision.arith import bf16_to_f32, fp8_to_f32
 from jaxrl_fp8.precision.formats import E4M3_MAX
 
 __all__ = ["KV_CACHE_FORMATS", "MIN_EXPONENT", "QuantizedKV", "quantize_kv", "dequantize_kv", "fake_quantize_kv",
@@ -69,7 +70,7 @@ def _scale_exponent(amax: jax.Array) -> jax.Array:
 
 def quantize_kv(x: jax.Array) -> QuantizedKV:
     """x [..., D] (any float dtype) -> e4m3 values and one power-of-two scale per row of D."""
-    xf = x.astype(jnp.float32)
+    xf = bf16_to_f32(x) if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)  # from the bits: the BF16 rounding stays
     amax = jnp.max(jnp.abs(xf), axis=-1)
     e = _scale_exponent(amax)
     finite = jnp.all(jnp.isfinite(xf), axis=-1)  # not isfinite(amax): a max need not propagate NaN (XLA:CPU)
@@ -81,8 +82,10 @@ def quantize_kv(x: jax.Array) -> QuantizedKV:
 
 
 def dequantize_kv(values: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """values x scale: exact (a normal BF16 / float32 number, or 0 or NaN)."""
-    return (values.astype(jnp.float32) * scales[..., None]).astype(dtype)
+    """values x scale: exact (a normal BF16 / float32 number, or 0 or NaN). The e4m3 values are decoded from their
+    bits (`arith.fp8_to_f32`): XLA:GPU may delete a float32 -> e4m3 -> float32 convert chain, which would skip the
+    rounding in `fake_quantize_kv`."""
+    return (fp8_to_f32(values) * scales[..., None]).astype(dtype)
 
 
 @jax.custom_vjp
