@@ -42,8 +42,8 @@ def small_config(workdir, recipe, steps=2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,unified", [("bf16", True), ("fp8_block", True), ("bf16_train_fp8_rollout", False),
-                                            ("mxfp8", True), ("nvfp4", True)])
+@pytest.mark.parametrize("recipe,unified", [("bf16", True), ("fp8_block", True), ("fp8_block_kv", True),
+                                            ("bf16_train_fp8_rollout", False), ("mxfp8", True), ("nvfp4", True)])
 def test_recipes_run_and_mismatch_ordering(tmp_path, recipe, unified):
     from jaxrl_fp8.train import run
 
