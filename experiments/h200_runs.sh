@@ -45,8 +45,7 @@
 #                                            # rows (64 / 256): 64- and 32-wide column tiles, 4-8 stages, bits against the
 #                                            # default -> $OUT/gemm_dense_decode_<card>.json
 #   bash experiments/h200_runs.sh paged_stages  # (~2 min) the paged decode kernel at 1 / 2 / 3 pipeline stages (fewer
-#                                            # leave shared memory for a second program per SM) and with its query rows
-#                                            # in part of one tile (FlashConfig.paged_partial_tile), batch 64 / 256, caches
+#                                            # leave shared memory for a second program per SM), batch 64 / 256, caches
 #                                            # 512 / 1k / 4k, against the copy roofline -> $OUT/attention_paged_stages_<card>.json
 #                                            # (results keep one attention_<card>.json: fold its points in, under `calls`)
 #   bash experiments/h200_runs.sh pending    # (< 10 min) what the last build left unmeasured: the converters' GPU bit tests
@@ -261,7 +260,7 @@ case "${1:-}" in
     PROFILE_SLOTS=256 bash "$0" profile_decode 120
     (cd /tmp/decode_hlo && tar czf "$OUT/decode_hlo.tgz" $(ls | grep -E "decode_slots.*after_optimizations.txt$" | head -4))
     timeout 90 $PY experiments/benchmarks/attention.py --skip train --decode-batches 256 --decode-lengths 512,1024 \
-      --paged-stages 1,2 --paged-partial-tile --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
+      --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
       | grep -E "^decode"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 330 $PY experiments/benchmarks/rollout_workload.py --recipes bf16,fp8_block \
       --schedulers continuous --step-prompt-lens 1280 --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -8 ;;
@@ -273,14 +272,14 @@ case "${1:-}" in
     timeout 200 $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py -k "long_rows or fp8" -p no:cacheprovider \
       2>&1 | tee "$OUT/fp8_kv_gpu_tests.log" | grep -E "passed|failed|rror"
     timeout 200 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 --decode-lengths 512,1024,4096 \
-      --paged-partial-tile --fp8-kv --out "$OUT/attention_fp8_kv_$(card_name).json" 2>&1 | quiet | grep -E "^decode|rror" ;;
+      --fp8-kv --out "$OUT/attention_fp8_kv_$(card_name).json" 2>&1 | quiet | grep -E "^decode|rror" ;;
   fp8_kv_workload)  # (~7 min) the rollout workload with bf16, fp8_block and fp8_block_kv (continuous; decode step also at
     # 1280-token prompts) -> $OUT/rollout_workload_<card>.json (fp8_kv_over_bf16 beside fp8_over_bf16)
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-540}" $PY experiments/benchmarks/rollout_workload.py \
       --recipes "${3:-bf16,fp8_block_kv,fp8_block}" --schedulers continuous --step-prompt-lens 1280 \
       --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -12 ;;
   paged_stages) timeout 300 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
-      --decode-lengths 512,1024,4096 --paged-stages 1,2 --paged-partial-tile --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
+      --decode-lengths 512,1024,4096 --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \
       | grep -E "^decode" ;;
   decode_gemm) timeout 200 $PY -m pytest -v -m gpu tests/pallas_kernels/test_gemm_grouped.py -p no:cacheprovider \
       2>&1 | tee "$OUT/decode_gemm_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"

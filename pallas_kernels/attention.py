@@ -50,9 +50,6 @@ class FlashConfig:
     fwd_stages: int = 2
     bwd_stages: int = 2
     paged_stages: int = 3
-    # a decode step's G query rows loaded into part of one tile instead of padded to BLOCK_Q in HBM (same bits in
-    # interpret mode; off until a GPU run shows the 8-row TMA lowers and pays: the padding is ~11 us a layer, H100)
-    paged_partial_tile: bool = False
     bwd_dq_keys: int = 128  # keys per step of the backward's dq kernel (128, or 64: 1-2 % slower on an H100; the gradients' bits depend on it)
 
 
@@ -183,9 +180,10 @@ def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float,
     rows = tq * g
     r = -(-rows // BLOCK_Q) * BLOCK_Q
     q_rows = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-    if rows > BLOCK_Q or not config.paged_partial_tile:
+    if rows > BLOCK_Q:
         q_rows = _pad_rows(q_rows, r, axis=2)
-    else:  # a decode step's G heads fill part of one tile, in whole 8-row groups of its shared-memory tiling
+    else:  # a decode step's G heads fill part of one tile, in whole 8-row groups of its shared-memory tiling (no
+        # padding to BLOCK_Q in HBM: 5-20 % faster at 256 rows on an H100, same bits; results/attention_h100.json)
         q_rows = _pad_rows(q_rows, -(-rows // 8) * 8, axis=2)
     positions = jnp.asarray(positions, jnp.int32)
     starts = jnp.zeros_like(positions) if starts is None else jnp.asarray(starts, jnp.int32)

@@ -107,17 +107,13 @@ def fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps):
     return row
 
 
-def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=(), partial_tile=False,
-                  fp8_kv=False):
+def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=(), fp8_kv=False):
     """The paged decode step per (batch, cache length) under the default config, under each pipeline depth of
-    `stage_variants` (FlashConfig.paged_stages: fewer stages leave shared memory for a second program per SM) and,
-    with `partial_tile`, with the query rows loaded into part of one tile (FlashConfig.paged_partial_tile); each
-    variant's output is compared with the default's bit for bit."""
+    `stage_variants` (FlashConfig.paged_stages: fewer stages leave shared memory for a second program per SM), each
+    variant's output compared with the default's bit for bit; with `fp8_kv`, over FP8 pages (`fp8_decode_point`)."""
     default = A.FlashConfig()
     configs = [("default", default)] + [(f"stages {s}", A.FlashConfig(paged_stages=s)) for s in stage_variants
                                         if s != default.paged_stages]
-    if partial_tile:
-        configs.append(("partial tile", A.FlashConfig(paged_partial_tile=True)))
     for b in batches:
         for s in lengths:
             n_pages = s // A.BLOCK_KV
@@ -177,9 +173,6 @@ def main(argv=None):
                    help="comma list of pipeline depths of the paged decode kernel (FlashConfig.paged_stages) to time "
                         "beside the default's (3): e.g. 1,2 (one or two stages leave shared memory for a second "
                         "program per SM)")
-    p.add_argument("--paged-partial-tile", action="store_true",
-                   help="also time the decode step with its query rows loaded into part of one tile "
-                        "(FlashConfig.paged_partial_tile) beside the default's padded tile")
     p.add_argument("--fp8-kv", action="store_true",
                    help="also time the decode step over FP8 pages (kv_cache='fp8': e4m3 values and a power-of-two "
                         "scale per token and head, half the bytes) and compare its bits with the BF16 kernel over "
@@ -200,7 +193,7 @@ def main(argv=None):
         results["copy_bytes_per_s"] = bps
         decode_points([int(x) for x in a.decode_batches.split(",")], [int(x) for x in a.decode_lengths.split(",")],
                       a.iters, bps, results, a.out, [int(x) for x in a.paged_stages.split(",") if x],
-                      partial_tile=a.paged_partial_tile, fp8_kv=a.fp8_kv)
+                      fp8_kv=a.fp8_kv)
     write_results(a.out, results)
 
 

@@ -112,10 +112,9 @@ def test_paged_matches_reference_with_shuffled_pages():
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("partial_tile", [False, True])
-def test_decode_gives_the_training_forward_bits(partial_tile):
+def test_decode_gives_the_training_forward_bits():
     """One query per row over a paged cache (random page order, rows of different lengths) == the full forward, with
-    the G query rows padded to a tile in HBM or loaded into part of one (FlashConfig.paged_partial_tile)."""
+    the G query rows loaded into part of one tile."""
     b, t, h, hkv, d = 2, 300, 8, 2, 64
     q, k, v = _qkv(b, t, h, hkv, d, seed=3)
     full = np.asarray(A.flash_attention(q, k, v, scale=d**-0.5, interpret=_interpret()).astype(jnp.float32))
@@ -123,7 +122,6 @@ def test_decode_gives_the_training_forward_bits(partial_tile):
     pos = np.array([299, 130])
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
     out = np.asarray(A.paged_attention(qd, kp, vp, table, jnp.asarray(pos)[:, None], scale=d**-0.5,
-                                       config=A.FlashConfig(paged_partial_tile=partial_tile),
                                        interpret=_interpret()).astype(jnp.float32))
     for i in range(b):
         np.testing.assert_array_equal(out[i, 0], full[i, pos[i]])
@@ -169,8 +167,7 @@ def _fp8_pages(kp, vp):
             kq.dequantize(BF16), vq.dequantize(BF16))
 
 
-@pytest.mark.parametrize("partial_tile", [False, True])
-def test_fp8_pages_give_the_bits_of_their_dequantized_values(partial_tile):
+def test_fp8_pages_give_the_bits_of_their_dequantized_values():
     """FP8 pages (e4m3 + a power-of-two scale per token and head, dequantized in the kernel) == the BF16 kernel over
     the dequantized pages, bit for bit, for decode rows and a prefill tile; and == the training forward over the
     fake-quantized keys (what the trainer attends over under kv_cache='fp8')."""
@@ -183,9 +180,8 @@ def test_fp8_pages_give_the_bits_of_their_dequantized_values(partial_tile):
     k8, v8, ks, vs, kd, vd = _fp8_pages(kp, vp)
     pos = np.array([299, 130])
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
-    cfg = A.FlashConfig(paged_partial_tile=partial_tile)
     run = lambda *pages, **kw: np.asarray(A.paged_attention(qd, *pages, table, jnp.asarray(pos)[:, None], scale=d**-0.5,
-                                                            config=cfg, interpret=_interpret(), **kw).astype(jnp.float32))
+                                                            interpret=_interpret(), **kw).astype(jnp.float32))
     got = run(k8, v8, k_scales=ks, v_scales=vs)
     np.testing.assert_array_equal(got, run(kd, vd))
     full = np.asarray(A.flash_attention(q, fake_quantize_kv(k), fake_quantize_kv(v), scale=d**-0.5,
@@ -233,12 +229,9 @@ def test_gpu_long_rows_bits_and_accuracy():
     kp, vp, table = _pages(k, v, n_pages, 2 * n_pages + 3, seed=5)
     pos = np.array([4095, 1000])
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
-    for partial_tile in (False, True):  # the query rows padded to a tile in HBM, or loaded into part of one
-        cfg = A.FlashConfig(paged_partial_tile=partial_tile)
-        out = np.asarray(A.paged_attention(qd, kp, vp, table, jnp.asarray(pos)[:, None], scale=sc, config=cfg)
-                         .astype(jnp.float32))
-        for i in range(b):
-            np.testing.assert_array_equal(out[i, 0], full[i, pos[i]])
+    out = np.asarray(A.paged_attention(qd, kp, vp, table, jnp.asarray(pos)[:, None], scale=sc).astype(jnp.float32))
+    for i in range(b):
+        np.testing.assert_array_equal(out[i, 0], full[i, pos[i]])
     pre = jnp.broadcast_to(jnp.arange(0, 256, dtype=jnp.int32), (b, 256))
     out = A.paged_attention(q[:, :256], kp, vp, table, pre, scale=sc)
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
@@ -261,15 +254,12 @@ def test_gpu_fp8_pages_bits_at_4k():
     full = np.asarray(A.flash_attention(q, fake_quantize_kv(k), fake_quantize_kv(v), scale=sc).astype(jnp.float32))
     pos = np.array([4095, 1000])
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
-    for partial_tile in (False, True):
-        cfg = A.FlashConfig(paged_partial_tile=partial_tile)
-        got = np.asarray(A.paged_attention(qd, k8, v8, table, jnp.asarray(pos)[:, None], scale=sc, config=cfg,
-                                           k_scales=ks, v_scales=vs).astype(jnp.float32))
-        deq = np.asarray(A.paged_attention(qd, kd, vd, table, jnp.asarray(pos)[:, None], scale=sc, config=cfg)
-                         .astype(jnp.float32))
-        np.testing.assert_array_equal(got, deq)
-        for i in range(b):
-            np.testing.assert_array_equal(got[i, 0], full[i, pos[i]])
+    got = np.asarray(A.paged_attention(qd, k8, v8, table, jnp.asarray(pos)[:, None], scale=sc, k_scales=ks,
+                                       v_scales=vs).astype(jnp.float32))
+    deq = np.asarray(A.paged_attention(qd, kd, vd, table, jnp.asarray(pos)[:, None], scale=sc).astype(jnp.float32))
+    np.testing.assert_array_equal(got, deq)
+    for i in range(b):
+        np.testing.assert_array_equal(got[i, 0], full[i, pos[i]])
     pre = jnp.broadcast_to(jnp.arange(0, 256, dtype=jnp.int32), (b, 256))
     out = A.paged_attention(q[:, :256], k8, v8, table, pre, scale=sc, k_scales=ks, v_scales=vs)
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
