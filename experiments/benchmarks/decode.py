@@ -102,7 +102,15 @@ def distinct_experts_per_step(samples, prompt_len: int, gen_len: int, num_expert
     return 0.0 if np.isnan(touched) else touched
 
 
-def step_bytes(engine, cfg, batch: int, prompt_len: int, gen_len: int, cache_len: int, experts_touched: float, kv_itemsize: int) -> dict:
+def kv_itemsize(engine, cfg) -> float:
+    """Bytes a cached key or value element costs the engine's recipe: 2 (BF16), or e4m3 plus a float32 scale per
+    head_dim elements (kv_cache="fp8", precision.kv)."""
+    fp8 = engine.precision is not None and engine.precision.kv_cache == "fp8"
+    return 1 + 4 / cfg.head_dim if fp8 else 2
+
+
+def step_bytes(engine, cfg, batch: int, prompt_len: int, gen_len: int, cache_len: int, experts_touched: float,
+               kv_itemsize: float) -> dict:
     by_kind = {"always": 0, "experts": 0, "lm_head": 0, "embedding": 0}
     for path, n in engine.weight_nbytes().items():
         by_kind[classify(path)] += n
@@ -210,7 +218,8 @@ def main(argv=None) -> int:
             if cache_len != max(16, 1 << args.prompt_len.bit_length()):
                 print("warning: the 1-token run uses a smaller KV-cache bucket; prefill subtraction is approximate")
             touched = distinct_experts_per_step(samples, args.prompt_len, args.gen_len, cfg.num_experts)
-            sb = step_bytes(engine, cfg, batch, args.prompt_len, args.gen_len, cache_len, touched, kv_itemsize=2)
+            sb = step_bytes(engine, cfg, batch, args.prompt_len, args.gen_len, cache_len, touched,
+                            kv_itemsize=kv_itemsize(engine, cfg))
             decode_s = t_full - t_one
             if decode_s <= 0:  # timing noise larger than the decode itself (tiny runs): report nothing
                 print(f"warning: generate ({t_full:.4f}s) was not slower than prefill ({t_one:.4f}s); no decode rate")

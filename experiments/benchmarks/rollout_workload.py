@@ -225,9 +225,8 @@ def step_measurement(engine_cls, policy, engine_config, cfg, args, rng, bw_copy)
         best_one = min(best_one, time.perf_counter() - t)
     touched = decode_bench.distinct_experts_per_step(samples, args.prompt_len, n, cfg.num_experts)
     cache_len = args.prompt_len + n
-    fp8_kv = engine.precision is not None and engine.precision.kv_cache == "fp8"
-    kv_itemsize = 1 + 4 / cfg.head_dim if fp8_kv else 2  # e4m3 values and a float32 scale per head, or BF16
-    sb = decode_bench.step_bytes(engine, cfg, args.slots, args.prompt_len, n, cache_len, touched, kv_itemsize=kv_itemsize)
+    sb = decode_bench.step_bytes(engine, cfg, args.slots, args.prompt_len, n, cache_len, touched,
+                                 kv_itemsize=decode_bench.kv_itemsize(engine, cfg))
     decode_s = best_full - best_one
     step_s = decode_s / (n - 1) if decode_s > 0 and n > 1 else math.nan
     ideal = sb["weights_read"] + sb["kv_read_live"]
