@@ -47,13 +47,15 @@ def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
     plgpu.commit_smem()
 
 
-@traced_once("scale", "stages", "interpret")
+@traced_once("scale", "stages", "interpret", "converter")
 def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, k_scales=None,
-                         v_scales=None, *, scale: float, stages: int, interpret: bool):
+                         v_scales=None, *, scale: float, stages: int, interpret: bool, converter: bool = False):
     """q_rows [B, Hkv, R, D], row_pos / row_start int32 [B, Rt], n_blocks int32 [B, Rt / BLOCK_Q], k/v_pages
     [P, BLOCK_KV, Hkv, D], page_table int32 [B, max_pages] -> out [B, Hkv, R, D]; Rt = R rounded up to BLOCK_Q.
     k/v_scales: None (pages in q's dtype) or float32 [P, Hkv, BLOCK_KV] (float8_e4m3fn pages, power-of-two
-    scales).
+    scales). converter (FP8 pages only): a second warpgroup dequantizes block j + 1 into the other of two BF16 tiles
+    while the compute warpgroup runs block j (handshake: `ready` / `free` barriers per tile), at most 2 FP8 stages
+    (shared memory); else the compute warpgroup dequantizes each block itself. Same values either way.
 
     R is a multiple of BLOCK_Q, or smaller: then the one tile loads and stores only its R rows (a decode step's G
     query heads), and its other rows, left as they were in shared memory, are computed and dropped (rows of a
@@ -71,19 +73,25 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
     if fp8 != (v_scales is not None) or (fp8 and not (k_pages.dtype == v_pages.dtype == jnp.float8_e4m3fn)):
         raise ValueError("paged_rows_attention: FP8 pages need float8_e4m3fn k and v pages and both scale arrays")
 
+    converter = fp8 and converter
+    tiles16 = 2 if converter else 1  # BF16 tiles of dequantized (k, v): double-buffered for a converter warpgroup
+    if converter:
+        stages = min(stages, 2)
     allocations = [
         plgpu.SMEM((1, BLOCK_Q, d), dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=1),
         a_staging((1, BLOCK_Q, BLOCK_KV), dtype, interpret),
-        plgpu.SMEM((2, BLOCK_KV, d), dtype, transforms=transforms) if fp8 else None,  # dequantized k, v
+        plgpu.SMEM((tiles16, 2, BLOCK_KV, d), dtype, transforms=transforms) if fp8 else None,
+        plgpu.Barrier(num_barriers=2) if converter else None,  # ready: tile t holds the block to compute
+        plgpu.Barrier(num_barriers=2) if converter else None,  # free: the compute warpgroup is done with tile t
     ]
 
     def scoped(*refs):
         if fp8:
             (q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, ks_ref, vs_ref, o_ref,
-             qo_smem2, q_bar, p_smem2, kv16) = refs
+             qo_smem2, q_bar, p_smem2, kv16, ready, free) = refs
         else:
-            q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, o_ref, qo_smem2, q_bar, p_smem2, _ = refs
+            q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, o_ref, qo_smem2, q_bar, p_smem2, *_ = refs
         bi, kvh, rt = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("rows")
         wg = lax.axis_index("wg")
         rows = pl.ds(rt * BLOCK_Q, BLOCK_Q)
@@ -93,40 +101,82 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
         def compute_thread(pipeline):
             qo_smem = qo_smem2.at[0]
             qo_held = qo_smem if tile_rows == BLOCK_Q else qo_smem.at[pl.ds(0, tile_rows)]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh, q_rows_here], qo_held, q_bar.at[0])
+            computes = wg == 0  # warpgroup 1, where there is one, is the converter
+
+            @pl.when(computes)
+            def _():
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh, q_rows_here], qo_held, q_bar.at[0])
+                plgpu.barrier_wait(q_bar.at[0])
+
             row_pos = row_vector(pos_ref.at[bi, rows])
             row_start = row_vector(start_ref.at[bi, rows])
-            plgpu.barrier_wait(q_bar.at[0])
             acc, m_i, l_i = initial_softmax_state(BLOCK_Q, d)
             acc, m_i, l_i = pipeline((acc, m_i, l_i, row_pos, row_start))[:3]
-            out, _ = finish_rows(acc, m_i, l_i)
-            qo_smem[...] = out.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_held, o_ref.at[bi, kvh, q_rows_here])
-            plgpu.wait_smem_to_gmem(0)
+            if converter:  # the converter observes the compute warpgroup's last releases (at most two)
+                for back in (2, 1):
+                    @pl.when((wg == 1) & (steps >= back))
+                    def _():
+                        plgpu.barrier_wait(free.at[lax.rem(steps - back, 2)])
 
-        def body(idx, k_smem, v_smem, *rest):
-            (step,) = idx
-            if fp8:  # both halves of the block into BF16 first: the pipeline slots free before any wgmma
-                ks_smem, vs_smem, *consumed, carry = rest
-                _dequantize_block(k_smem, ks_smem, kv16.at[0], dtype)
-                _dequantize_block(v_smem, vs_smem, kv16.at[1], dtype)
-                for barrier in consumed:
-                    plgpu.barrier_arrive(barrier)
-                k_smem, v_smem = kv16.at[0], kv16.at[1]
-                k_consumed = v_consumed = None
-            else:
-                k_consumed, v_consumed, carry = rest
+            @pl.when(computes)
+            def _():
+                out, _ = finish_rows(acc, m_i, l_i)
+                qo_smem[...] = out.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qo_held, o_ref.at[bi, kvh, q_rows_here])
+                plgpu.wait_smem_to_gmem(0)
+
+        def attend(step, k_smem, v_smem, carry, k_consumed=None, v_consumed=None):
             acc, m_i, l_i, row_pos, row_start = carry
             qk = wgmma_fresh(qo_smem2.at[0], k_smem.transpose((1, 0)), (BLOCK_Q, BLOCK_KV))
             if k_consumed is not None:
                 plgpu.barrier_arrive(k_consumed)
             visible = visible_keys(BLOCK_Q, step * BLOCK_KV, row_pos, row_start)
             p, m_i, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, c)
-            acc = acc + wgmma_fresh(a_operand(p.astype(dtype), p_smem2, wg, interpret), v_smem, (BLOCK_Q, d))
+            acc = acc + wgmma_fresh(a_operand(p.astype(dtype), p_smem2, 0, interpret), v_smem, (BLOCK_Q, d))
             if v_consumed is not None:
                 plgpu.barrier_arrive(v_consumed)
             return acc, m_i, l_i, row_pos, row_start
+
+        def converter_body(idx, k_smem, v_smem, ks_smem, vs_smem, *rest):
+            (step,) = idx
+            *consumed, carry = rest
+            tile = lax.rem(step, 2)
+
+            @pl.when(wg == 1)
+            def _():
+                @pl.when(step >= 2)
+                def _():
+                    plgpu.barrier_wait(free.at[tile])  # the compute warpgroup is done with block step - 2
+
+                _dequantize_block(k_smem, ks_smem, kv16.at[tile, 0], dtype)
+                _dequantize_block(v_smem, vs_smem, kv16.at[tile, 1], dtype)
+                plgpu.barrier_arrive(ready.at[tile])
+                plgpu.barrier_wait(ready.at[tile])  # its own arrival completes it: every phase observed by both
+
+            for barrier in consumed:  # the compute warpgroup never reads the FP8 slots: it arrives at once
+                plgpu.barrier_arrive(barrier)
+
+            def compute(carry):
+                plgpu.barrier_wait(ready.at[tile])
+                carry = attend(step, kv16.at[tile, 0], kv16.at[tile, 1], carry)
+                plgpu.barrier_arrive(free.at[tile])
+                plgpu.barrier_wait(free.at[tile])  # (completed by that arrival)
+                return carry
+
+            return lax.cond(wg == 0, compute, lambda carry: carry, carry)
+
+        def body(idx, k_smem, v_smem, *rest):
+            (step,) = idx
+            if fp8:  # both halves of the block into BF16 first: the pipeline slots free before any wgmma
+                ks_smem, vs_smem, *consumed, carry = rest
+                _dequantize_block(k_smem, ks_smem, kv16.at[0, 0], dtype)
+                _dequantize_block(v_smem, vs_smem, kv16.at[0, 1], dtype)
+                for barrier in consumed:
+                    plgpu.barrier_arrive(barrier)
+                return attend(step, kv16.at[0, 0], kv16.at[0, 1], carry)
+            k_consumed, v_consumed, carry = rest
+            return attend(step, k_smem, v_smem, carry, k_consumed, v_consumed)
 
         page_dtype = k_ref.dtype
         page_spec = plgpu.BlockSpec((None, BLOCK_KV, d), lambda s: (pt_ref[bi, s], 0, 0),
@@ -136,11 +186,13 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
             scale_spec = plgpu.BlockSpec((None, BLOCK_KV), lambda s: (pt_ref[bi, s], 0))
             specs += [scale_spec, scale_spec]
             operands += [ks_ref.at[:, kvh, :], vs_ref.at[:, kvh, :]]
-        pipeline = block_pipeline(body, steps, specs, stages=stages, compute_wgs=1, compute_thread=compute_thread)
+        pipeline = block_pipeline(converter_body if converter else body, steps, specs, stages=stages,
+                                  compute_wgs=2 if converter else 1, compute_thread=compute_thread)
         pipeline(*operands)
 
     call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, tiles, b),
-                       ("kv_heads", "rows", "batch"), 1, name="attention_paged_fp8" if fp8 else "attention_paged")
+                       ("kv_heads", "rows", "batch"), 2 if converter else 1,
+                       name="attention_paged_fp8" if fp8 else "attention_paged")
     scales = (k_scales, v_scales) if fp8 else ()
     return launch(call, q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, *scales,
                   interpret=interpret)

@@ -167,7 +167,8 @@ def _fp8_pages(kp, vp):
             kq.dequantize(BF16), vq.dequantize(BF16))
 
 
-def test_fp8_pages_give_the_bits_of_their_dequantized_values():
+@pytest.mark.parametrize("converter", [False, True])
+def test_fp8_pages_give_the_bits_of_their_dequantized_values(converter):
     """FP8 pages (e4m3 + a power-of-two scale per token and head, dequantized in the kernel) == the BF16 kernel over
     the dequantized pages, bit for bit, for decode rows and a prefill tile; and == the training forward over the
     fake-quantized keys (what the trainer attends over under kv_cache='fp8')."""
@@ -180,16 +181,17 @@ def test_fp8_pages_give_the_bits_of_their_dequantized_values():
     k8, v8, ks, vs, kd, vd = _fp8_pages(kp, vp)
     pos = np.array([299, 130])
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
+    cfg = A.FlashConfig(paged_fp8_converter=converter)
     run = lambda *pages, **kw: np.asarray(A.paged_attention(qd, *pages, table, jnp.asarray(pos)[:, None], scale=d**-0.5,
                                                             interpret=_interpret(), **kw).astype(jnp.float32))
-    got = run(k8, v8, k_scales=ks, v_scales=vs)
+    got = run(k8, v8, k_scales=ks, v_scales=vs, config=cfg)
     np.testing.assert_array_equal(got, run(kd, vd))
     full = np.asarray(A.flash_attention(q, fake_quantize_kv(k), fake_quantize_kv(v), scale=d**-0.5,
                                         interpret=_interpret()).astype(jnp.float32))
     for i in range(b):
         np.testing.assert_array_equal(got[i, 0], full[i, pos[i]])
     pre = jnp.broadcast_to(jnp.arange(200, 264, dtype=jnp.int32), (b, 64))
-    out = A.paged_attention(q[:, 200:264], k8, v8, table, pre, scale=d**-0.5, k_scales=ks, v_scales=vs,
+    out = A.paged_attention(q[:, 200:264], k8, v8, table, pre, scale=d**-0.5, k_scales=ks, v_scales=vs, config=cfg,
                             interpret=_interpret())
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, 200:264])
 
@@ -254,15 +256,17 @@ def test_gpu_fp8_pages_bits_at_4k():
     full = np.asarray(A.flash_attention(q, fake_quantize_kv(k), fake_quantize_kv(v), scale=sc).astype(jnp.float32))
     pos = np.array([4095, 1000])
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
-    got = np.asarray(A.paged_attention(qd, k8, v8, table, jnp.asarray(pos)[:, None], scale=sc, k_scales=ks,
-                                       v_scales=vs).astype(jnp.float32))
     deq = np.asarray(A.paged_attention(qd, kd, vd, table, jnp.asarray(pos)[:, None], scale=sc).astype(jnp.float32))
-    np.testing.assert_array_equal(got, deq)
-    for i in range(b):
-        np.testing.assert_array_equal(got[i, 0], full[i, pos[i]])
     pre = jnp.broadcast_to(jnp.arange(0, 256, dtype=jnp.int32), (b, 256))
-    out = A.paged_attention(q[:, :256], k8, v8, table, pre, scale=sc, k_scales=ks, v_scales=vs)
-    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
+    for converter in (False, True):  # the compute warpgroup converts, or a converter warpgroup does
+        cfg = A.FlashConfig(paged_fp8_converter=converter)
+        got = np.asarray(A.paged_attention(qd, k8, v8, table, jnp.asarray(pos)[:, None], scale=sc, k_scales=ks,
+                                           v_scales=vs, config=cfg).astype(jnp.float32))
+        np.testing.assert_array_equal(got, deq)
+        for i in range(b):
+            np.testing.assert_array_equal(got[i, 0], full[i, pos[i]])
+        out = A.paged_attention(q[:, :256], k8, v8, table, pre, scale=sc, k_scales=ks, v_scales=vs, config=cfg)
+        np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
 
 
 @pytest.mark.gpu
