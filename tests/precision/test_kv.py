@@ -12,7 +12,7 @@ from jaxrl_fp8.precision.kv import MIN_EXPONENT, QuantizedKV, dequantize_kv, fak
 
 
 def _reference(x: np.ndarray):
-    """float64 rule: e = the smallest integer with amax <= 448 * 2^e, clipped to [MIN_EXPONENT, 127]."""
+    """float64 rule: e = the smallest integer with amax <= 448 * 2^e, clipped to [MIN_EXPONENT, 126]."""
     x = np.asarray(x, np.float64)
     x = np.where(np.abs(x) < 2.0**-126, x * 0.0, x)  # float32 subnormals flushed (sign kept), as XLA:CPU does
     amax = np.abs(x).max(axis=-1)
@@ -20,7 +20,7 @@ def _reference(x: np.ndarray):
         e = np.where(amax > 0, np.ceil(np.log2(amax / 448.0)), MIN_EXPONENT)
     # log2 may round at exact powers of two: step to the smallest exponent that holds amax
     e = np.where((amax > 0) & (amax <= 448.0 * 2.0 ** (e - 1)), e - 1, e)
-    e = np.clip(np.nan_to_num(e), MIN_EXPONENT, 127)
+    e = np.clip(np.nan_to_num(e), MIN_EXPONENT, 126)
     finite = np.isfinite(amax)
     scale = np.where(finite, 2.0**e, np.nan)
     with np.errstate(invalid="ignore"):

@@ -27,6 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxrl_fp8.precision.arith import bf16_to_f32, fp8_to_f32
 from jaxrl_fp8.precision.formats import E4M3_MAX
@@ -36,7 +37,7 @@ __all__ = ["KV_CACHE_FORMATS", "MIN_EXPONENT", "QuantizedKV", "quantize_kv", "de
 
 KV_CACHE_FORMATS = ("bf16", "fp8")
 MIN_EXPONENT = -117  # 2^-9 (smallest e4m3 subnormal) * 2^-117 = 2^-126, BF16's smallest normal
-MAX_EXPONENT = 127
+MAX_EXPONENT = 126  # 2^-e stays a normal float32 too (amax < 2^128 never needs more than 2^120)
 
 
 def check_kv_cache(kv_cache: str, *, what: str = "kv_cache") -> str:
@@ -61,6 +62,12 @@ class QuantizedKV:
         return dequantize_kv(self.values, self.scales, dtype)
 
 
+def _pow2(e: jax.Array) -> jax.Array:
+    """2^e as float32 from its bits (e in [-126, 127]): exact by construction, unlike `jnp.ldexp`, which multiplies
+    by `2 ** e` (a float power on the device)."""
+    return lax.bitcast_convert_type(((e + 127).astype(jnp.uint32) << jnp.uint32(23)), jnp.float32)
+
+
 def _scale_exponent(amax: jax.Array) -> jax.Array:
     """The smallest e with amax <= 448 * 2^e: amax = m 2^E (m in [0.5, 1)) and 448 = 0.875 * 2^9."""
     m, e = jnp.frexp(amax)
@@ -74,9 +81,9 @@ def quantize_kv(x: jax.Array) -> QuantizedKV:
     amax = jnp.max(jnp.abs(xf), axis=-1)
     e = _scale_exponent(amax)
     finite = jnp.all(jnp.isfinite(xf), axis=-1)  # not isfinite(amax): a max need not propagate NaN (XLA:CPU)
-    scales = jnp.where(finite, jnp.ldexp(jnp.float32(1), e), jnp.float32(jnp.nan))
+    scales = jnp.where(finite, _pow2(e), jnp.float32(jnp.nan))
     # x * 2^-e is exact (a power of two, no overflow: |x| <= 448 2^e); e4m3 rounding is to nearest even
-    inv = jnp.where(finite, jnp.ldexp(jnp.float32(1), -e), jnp.float32(jnp.nan))
+    inv = jnp.where(finite, _pow2(-e), jnp.float32(jnp.nan))
     y = jnp.clip(xf * inv[..., None], -E4M3_MAX, E4M3_MAX)
     return QuantizedKV(y.astype(jnp.float8_e4m3fn), scales)
 
