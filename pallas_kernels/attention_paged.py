@@ -69,9 +69,7 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
     dtype = q_rows.dtype
     c = float(scale * LOG2E)
     transforms = swizzled(dtype)
-    fp8 = k_scales is not None
-    if fp8 != (v_scales is not None) or (fp8 and not (k_pages.dtype == v_pages.dtype == jnp.float8_e4m3fn)):
-        raise ValueError("paged_rows_attention: FP8 pages need float8_e4m3fn k and v pages and both scale arrays")
+    fp8 = k_scales is not None  # (`attention.paged_attention` checks the pages' dtype and both scales' shapes)
 
     converter = fp8 and converter
     tiles16 = 2 if converter else 1  # BF16 tiles of dequantized (k, v): double-buffered for a converter warpgroup

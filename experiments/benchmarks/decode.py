@@ -105,8 +105,9 @@ def distinct_experts_per_step(samples, prompt_len: int, gen_len: int, num_expert
 def kv_itemsize(engine, cfg) -> float:
     """Bytes a cached key or value element costs the engine's recipe: 2 (BF16), or e4m3 plus a float32 scale per
     head_dim elements (kv_cache="fp8", precision.kv)."""
-    fp8 = engine.precision is not None and engine.precision.kv_cache == "fp8"
-    return 1 + 4 / cfg.head_dim if fp8 else 2
+    from jaxrl_fp8.precision.kv import kv_cache_of
+
+    return 1 + 4 / cfg.head_dim if kv_cache_of(engine.precision) == "fp8" else 2
 
 
 def step_bytes(engine, cfg, batch: int, prompt_len: int, gen_len: int, cache_len: int, experts_touched: float,

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jaxrl_fp8.model as M
+from jaxrl_fp8.precision.kv import kv_cache_of
 from jaxrl_fp8.rollout.embedded import EmbeddedEngine, EngineConfig
 from jaxrl_fp8.rollout.types import SamplingParams
 from tests.isolation import in_fresh_process
@@ -40,7 +41,7 @@ def _continuous_equals_static(policy, fp8_pool=False):
     engine = EmbeddedEngine(policy, engine_config=EngineConfig(**kw))
     assert engine._attention == "flash" and engine._page_size == 128
     cont = engine.generate(prompts, params, return_routed_experts=True)
-    assert (engine.precision is not None and engine.precision.kv_cache == "fp8") == fp8_pool
+    assert (kv_cache_of(engine.precision) == "fp8") == fp8_pool
     assert engine.last_stats["shared_pages"] >= 2 and engine.last_stats["late_shares"] >= 1
     static = EmbeddedEngine(policy, engine_config=EngineConfig(scheduler="static", **kw)).generate(
         prompts, params, return_routed_experts=True)

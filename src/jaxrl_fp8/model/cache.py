@@ -34,8 +34,7 @@ import numpy as np
 from jaxrl_fp8.model.config import ModelConfig
 from jaxrl_fp8.precision.kv import QuantizedKV, check_kv_cache
 
-__all__ = ["KVCache", "PAGE_SIZE", "PagePool", "PagedKVCache", "init_cache", "init_paged_cache", "pages_for",
-           "stored"]
+__all__ = ["KVCache", "PAGE_SIZE", "PagePool", "PagedKVCache", "init_cache", "init_paged_cache", "pages_for"]
 
 PAGE_SIZE = 128  # the flash kernels' key block (pallas_kernels.attention.BLOCK_KV); other attention takes any size
 
@@ -44,7 +43,7 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-int(tokens) // int(page_size))
 
 
-def stored(x, dtype) -> jax.Array:
+def _stored(x, dtype) -> jax.Array:
     """New k or v as a cache of `dtype` stores it: FP8 pairs dequantized (exact), plain arrays cast."""
     return x.dequantize(dtype) if isinstance(x, QuantizedKV) else x.astype(dtype)
 
@@ -66,8 +65,8 @@ class KVCache:
         """Store k/v [B, T, Hkv, D] of tokens at slots [B, T] of layer `layer`."""
         rows = jnp.arange(k_new.shape[0])[:, None]
         k, v = list(self.k), list(self.v)
-        k[layer] = k[layer].at[rows, slots].set(stored(k_new, k[layer].dtype), mode="drop")
-        v[layer] = v[layer].at[rows, slots].set(stored(v_new, v[layer].dtype), mode="drop")
+        k[layer] = k[layer].at[rows, slots].set(_stored(k_new, k[layer].dtype), mode="drop")
+        v[layer] = v[layer].at[rows, slots].set(_stored(v_new, v[layer].dtype), mode="drop")
         return dataclasses.replace(self, k=tuple(k), v=tuple(v))
 
     def with_lengths(self, lengths) -> "KVCache":
@@ -137,8 +136,8 @@ class PagedKVCache:
         page, offset = self._pool_index(slots)
         k, v = list(self.k), list(self.v)
         if not self.fp8:
-            k[layer] = k[layer].at[page, offset].set(stored(k_new, k[layer].dtype), mode="drop")
-            v[layer] = v[layer].at[page, offset].set(stored(v_new, v[layer].dtype), mode="drop")
+            k[layer] = k[layer].at[page, offset].set(_stored(k_new, k[layer].dtype), mode="drop")
+            v[layer] = v[layer].at[page, offset].set(_stored(v_new, v[layer].dtype), mode="drop")
             return dataclasses.replace(self, k=tuple(k), v=tuple(v))
         if not (isinstance(k_new, QuantizedKV) and isinstance(v_new, QuantizedKV)):
             raise ValueError("PagedKVCache: this pool holds FP8 keys and values (kv_cache='fp8') but the model wrote "

@@ -21,7 +21,7 @@ from jaxrl_fp8.model.cache import KVCache, PagedKVCache
 from jaxrl_fp8.model.config import ModelConfig
 from jaxrl_fp8.model.numerics import rms_norm, silu
 from jaxrl_fp8.model.rope import apply_rope, rope_cos_sin
-from jaxrl_fp8.precision.kv import fake_quantize_kv, quantize_kv
+from jaxrl_fp8.precision.kv import fake_quantize_kv, kv_cache_of, quantize_kv
 
 F32 = jnp.float32
 
@@ -77,7 +77,7 @@ class _Ctx:
     @property
     def kv_fp8(self) -> bool:
         """The recipe's KV cache is FP8 (precision.kv): k/v are quantized where attention reads them."""
-        return self.policy is not None and self.policy.kv_cache == "fp8"
+        return kv_cache_of(self.policy) == "fp8"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from jaxrl_fp8.precision.arith import bf16_to_f32, fp8_to_f32
 from jaxrl_fp8.precision.formats import E4M3_MAX
 
 __all__ = ["KV_CACHE_FORMATS", "MIN_EXPONENT", "QuantizedKV", "quantize_kv", "dequantize_kv", "fake_quantize_kv",
-           "check_kv_cache"]
+           "check_kv_cache", "kv_cache_of"]
 
 KV_CACHE_FORMATS = ("bf16", "fp8")
 MIN_EXPONENT = -117  # 2^-9 (smallest e4m3 subnormal) * 2^-117 = 2^-126, BF16's smallest normal
@@ -44,6 +44,11 @@ def check_kv_cache(kv_cache: str, *, what: str = "kv_cache") -> str:
     if kv_cache not in KV_CACHE_FORMATS:
         raise ValueError(f"{what}={kv_cache!r} is not a KV-cache format; expected one of {', '.join(KV_CACHE_FORMATS)}")
     return kv_cache
+
+
+def kv_cache_of(policy) -> str:
+    """The KV-cache format a `PrecisionPolicy` computes with ("bf16" for None: the parameters' dtype, no recipe)."""
+    return "bf16" if policy is None else policy.kv_cache
 
 
 @jax.tree_util.register_dataclass

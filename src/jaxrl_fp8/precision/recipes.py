@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_fp8.precision.formats import BF16, FORMATS, FP8_BLOCK, MXFP8, NVFP4
-from jaxrl_fp8.precision.kv import KV_CACHE_FORMATS
+from jaxrl_fp8.precision.kv import check_kv_cache
 
 __all__ = ["Recipe", "RECIPES", "get_recipe", "COMPATIBLE_TRAIN_FORMATS", "BACKWARD_MODES", "detect_hardware", "HARDWARE_NATIVE"]
 
@@ -57,8 +57,7 @@ class Recipe:
     kv_cache: str = "bf16"  # "fp8": keys and values in e4m3, a power-of-two scale per token and head, both sides
 
     def __post_init__(self):
-        if self.kv_cache not in KV_CACHE_FORMATS:
-            raise ValueError(f"recipe {self.name!r}: kv_cache={self.kv_cache!r}; expected one of {', '.join(KV_CACHE_FORMATS)}")
+        check_kv_cache(self.kv_cache, what=f"recipe {self.name!r}: kv_cache")
         for field, value in (("rollout_format", self.rollout_format), ("train_format", self.train_format)):
             if value not in FORMATS:
                 raise ValueError(f"recipe {self.name!r}: {field}={value!r} is not a format; expected one of {', '.join(FORMATS)}")

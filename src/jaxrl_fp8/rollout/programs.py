@@ -28,6 +28,7 @@ from jaxrl_fp8.model import fused
 from jaxrl_fp8.model.cache import KVCache, PagedKVCache, init_cache, init_paged_cache
 from jaxrl_fp8.ops.backends import prepare_fp8_weight
 from jaxrl_fp8.precision import QuantizedWeight, formats as F
+from jaxrl_fp8.precision.kv import kv_cache_of
 from jaxrl_fp8.rollout import sampling
 
 # ---------------------------------------------------------------------------------------------------------
@@ -198,11 +199,6 @@ class SlotState:
     done: jax.Array
     rows: _Rows
     prompt_logits: jax.Array
-
-
-def kv_cache_of(precision) -> str:
-    """The KV-cache format a rollout precision policy (or None: the parameters' dtype) decodes into."""
-    return "bf16" if precision is None else precision.kv_cache
 
 
 def init_slots(cfg, *, slots: int, table_width: int, num_pages: int, page_size: int, max_new: int, stop_width: int,

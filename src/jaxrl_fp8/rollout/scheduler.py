@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_fp8.model.cache import PagePool, pages_for
+from jaxrl_fp8.precision.kv import kv_cache_of
 from jaxrl_fp8.rollout import programs
 from jaxrl_fp8.rollout.sampling import plain_sampling
 from jaxrl_fp8.rollout.types import Sample
@@ -112,7 +113,7 @@ class ContinuousScheduler:
         st = collections.Counter()
         self.s = programs.init_slots(eng.model_config, slots=self.slots, table_width=self.width, num_pages=self.num_pages,
                                      page_size=self.ps, max_new=self.max_new, stop_width=self.stop_width,
-                                     prompts=self.slots, dtype=w.dtype, kv_cache=programs.kv_cache_of(eng.precision))
+                                     prompts=self.slots, dtype=w.dtype, kv_cache=kv_cache_of(eng.precision))
         bar = None
         if ec.progress:
             from tqdm import tqdm
