@@ -36,6 +36,7 @@ fp8_block (BF16 keys and values), `fp8_kv_over_bf16` for fp8_block_kv.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -352,6 +353,7 @@ def main(argv=None) -> int:
     from jaxrl_fp8.precision import get_recipe
     from jaxrl_fp8.rollout.embedded import EmbeddedEngine, EngineConfig
     from jaxrl_fp8.rollout.types import SamplingParams
+    from pallas_kernels.attention import FlashConfig  # the kernels' settings the run used
 
     dev = jax.devices()[0]
     cfg = model_config_from_args(args, max_position_embeddings=max(8192, args.prompt_len + args.max_len))
@@ -412,7 +414,8 @@ def main(argv=None) -> int:
             },
             "engine": {"slots": args.slots, "kv_pages": args.kv_pages, "refill_every": args.refill_every,
                        "refill_batch": EngineConfig(max_batch=args.slots, refill_batch=args.refill_batch).effective_refill_batch,
-                       "static_order": args.static_order, "static_shapes": args.static_shapes},
+                       "static_order": args.static_order, "static_shapes": args.static_shapes,
+                       "flash_config": dataclasses.asdict(FlashConfig())},
             "bandwidth": {"hbm_spec_Bps": timing.hbm_spec_bandwidth(), "copy_measured_Bps": bw_copy, "copy_mib": args.copy_mib},
             "notes": [
                 "tokens_per_s = response tokens / wall of the first pass; steady_tokens_per_s = response tokens / "
