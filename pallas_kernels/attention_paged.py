@@ -47,16 +47,16 @@ def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
     plgpu.commit_smem()
 
 
-@traced_once("scale", "stages", "interpret", "converters")
+@traced_once("scale", "stages", "interpret", "converter")
 def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, k_scales=None,
-                         v_scales=None, *, scale: float, stages: int, interpret: bool, converters: int = 0):
+                         v_scales=None, *, scale: float, stages: int, interpret: bool, converter: bool = True):
     """q_rows [B, Hkv, R, D], row_pos / row_start int32 [B, Rt], n_blocks int32 [B, Rt / BLOCK_Q], k/v_pages
     [P, BLOCK_KV, Hkv, D], page_table int32 [B, max_pages] -> out [B, Hkv, R, D]; Rt = R rounded up to BLOCK_Q.
     k/v_scales: None (pages in q's dtype) or float32 [P, Hkv, BLOCK_KV] (float8_e4m3fn pages, power-of-two
-    scales). converters (FP8 pages only): 0, the compute warpgroup dequantizes each block itself; 1, a converter
-    warpgroup dequantizes block j + 1 into the other of two BF16 tiles while the compute warpgroup runs block j
-    (handshake: `ready` / `free` barriers per tile); 2, one converter for the keys and one for the values. With
-    converters, at most 2 FP8 stages (shared memory). Same values in every mode.
+    scales). converter (FP8 pages only): a converter warpgroup dequantizes block j + 1 into the other of two BF16
+    tiles while the compute warpgroup runs block j (handshake: a `ready` barrier per tile and operand, keys first,
+    so the q.k product starts while the values convert; a `free` barrier per tile), at most 2 FP8 stages (shared
+    memory); else the compute warpgroup dequantizes each block itself. Same values either way.
 
     R is a multiple of BLOCK_Q, or smaller: then the one tile loads and stores only its R rows (a decode step's G
     query heads), and its other rows, left as they were in shared memory, are computed and dropped (rows of a
@@ -72,11 +72,8 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
     transforms = swizzled(dtype)
     fp8 = k_scales is not None  # (`attention.paged_attention` checks the pages' dtype and both scales' shapes)
 
-    if converters not in (0, 1, 2):
-        raise ValueError(f"paged_rows_attention: converters={converters} is not 0, 1 or 2")
-    converters = converters if fp8 else 0
-    converter = converters > 0
-    tiles16 = 2 if converter else 1  # BF16 tiles of dequantized (k, v): double-buffered for converter warpgroups
+    converter = fp8 and converter
+    tiles16 = 2 if converter else 1  # BF16 tiles of dequantized (k, v): double-buffered for a converter warpgroup
     if converter:
         stages = min(stages, 2)
     allocations = [
@@ -84,7 +81,7 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
         plgpu.Barrier(num_barriers=1),
         a_staging((1, BLOCK_Q, BLOCK_KV), dtype, interpret),
         plgpu.SMEM((tiles16, 2, BLOCK_KV, d), dtype, transforms=transforms) if fp8 else None,
-        plgpu.Barrier(num_arrivals=converters, num_barriers=2) if converter else None,  # ready: tile t holds the block
+        plgpu.Barrier(num_barriers=4) if converter else None,  # ready 2t + i: tile t holds the block's keys (i = 0) / values
         plgpu.Barrier(num_barriers=2) if converter else None,  # free: the compute warpgroup is done with tile t
     ]
 
@@ -103,7 +100,7 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
         def compute_thread(pipeline):
             qo_smem = qo_smem2.at[0]
             qo_held = qo_smem if tile_rows == BLOCK_Q else qo_smem.at[pl.ds(0, tile_rows)]
-            computes = wg == 0  # warpgroups 1 (and 2), where there are any, are the converters
+            computes = wg == 0  # warpgroup 1, where there is one, is the converter
 
             @pl.when(computes)
             def _():
@@ -114,9 +111,9 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
             row_start = row_vector(start_ref.at[bi, rows])
             acc, m_i, l_i = initial_softmax_state(BLOCK_Q, d)
             acc, m_i, l_i = pipeline((acc, m_i, l_i, row_pos, row_start))[:3]
-            if converter:  # the converters observe the compute warpgroup's last releases (at most two)
+            if converter:  # the converter observes the compute warpgroup's last releases (at most two)
                 for back in (2, 1):
-                    @pl.when((wg >= 1) & (steps >= back))
+                    @pl.when((wg == 1) & (steps >= back))
                     def _():
                         plgpu.barrier_wait(free.at[lax.rem(steps - back, 2)])
 
@@ -128,13 +125,14 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
                 plgpu.copy_smem_to_gmem(qo_held, o_ref.at[bi, kvh, q_rows_here])
                 plgpu.wait_smem_to_gmem(0)
 
-        def attend(step, k_smem, v_smem, carry, k_consumed=None, v_consumed=None):
+        def attend(step, k_smem, v_smem, carry, k_consumed=None, v_consumed=None, before_pv=lambda: None):
             acc, m_i, l_i, row_pos, row_start = carry
             qk = wgmma_fresh(qo_smem2.at[0], k_smem.transpose((1, 0)), (BLOCK_Q, BLOCK_KV))
             if k_consumed is not None:
                 plgpu.barrier_arrive(k_consumed)
             visible = visible_keys(BLOCK_Q, step * BLOCK_KV, row_pos, row_start)
             p, m_i, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, c)
+            before_pv()
             acc = acc + wgmma_fresh(a_operand(p.astype(dtype), p_smem2, 0, interpret), v_smem, (BLOCK_Q, d))
             if v_consumed is not None:
                 plgpu.barrier_arrive(v_consumed)
@@ -145,25 +143,25 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
             *consumed, carry = rest
             tile = lax.rem(step, 2)
 
-            @pl.when(wg >= 1)
+            @pl.when(wg == 1)
             def _():
                 @pl.when(step >= 2)
                 def _():
                     plgpu.barrier_wait(free.at[tile])  # the compute warpgroup is done with block step - 2
 
                 for part, (values, scales) in enumerate(((k_smem, ks_smem), (v_smem, vs_smem))):
-                    @pl.when(wg == (1 + part if converters == 2 else 1))  # two converters: keys, values
-                    def _():
-                        _dequantize_block(values, scales, kv16.at[tile, part], dtype)
-                plgpu.barrier_arrive(ready.at[tile])
-                plgpu.barrier_wait(ready.at[tile])  # the converters' arrivals complete it: every phase observed by all
+                    _dequantize_block(values, scales, kv16.at[tile, part], dtype)
+                    plgpu.barrier_arrive(ready.at[2 * tile + part])
+                for part in range(2):
+                    plgpu.barrier_wait(ready.at[2 * tile + part])  # its own arrivals complete them: every phase observed by both
 
             for barrier in consumed:  # the compute warpgroup never reads the FP8 slots: it arrives at once
                 plgpu.barrier_arrive(barrier)
 
             def compute(carry):
-                plgpu.barrier_wait(ready.at[tile])
-                carry = attend(step, kv16.at[tile, 0], kv16.at[tile, 1], carry)
+                plgpu.barrier_wait(ready.at[2 * tile])
+                carry = attend(step, kv16.at[tile, 0], kv16.at[tile, 1], carry,
+                               before_pv=lambda: plgpu.barrier_wait(ready.at[2 * tile + 1]))
                 plgpu.barrier_arrive(free.at[tile])
                 plgpu.barrier_wait(free.at[tile])  # (completed by that arrival)
                 return carry
@@ -191,11 +189,11 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
             specs += [scale_spec, scale_spec]
             operands += [ks_ref.at[:, kvh, :], vs_ref.at[:, kvh, :]]
         pipeline = block_pipeline(converter_body if converter else body, steps, specs, stages=stages,
-                                  compute_wgs=1 + converters, compute_thread=compute_thread)
+                                  compute_wgs=2 if converter else 1, compute_thread=compute_thread)
         pipeline(*operands)
 
     call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, tiles, b),
-                       ("kv_heads", "rows", "batch"), 1 + converters,
+                       ("kv_heads", "rows", "batch"), 2 if converter else 1,
                        name="attention_paged_fp8" if fp8 else "attention_paged")
     scales = (k_scales, v_scales) if fp8 else ()
     return launch(call, q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, *scales,

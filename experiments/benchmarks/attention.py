@@ -85,9 +85,9 @@ def training_points(lengths, iters, results, out):
 
 def fp8_decode_points(b, s, q, kp, vp, table, pos, iters, copy_bps):
     """The paged decode step over FP8 pages (`kv_cache="fp8"`: e4m3 values, a power-of-two scale per token and
-    head, dequantized in the kernel) of the same keys, converted by the compute warpgroup ("fp8 kv"), by one converter
-    warpgroup ("fp8 kv converter") and by two, keys and values ("fp8 kv 2 converters"; FlashConfig.paged_fp8_converters);
-    each output is compared bit for bit
+    head, dequantized in the kernel) of the same keys, converted by a converter warpgroup ("fp8 kv converter", the
+    default) and by the compute warpgroup ("fp8 kv", FlashConfig.paged_fp8_converter=False); each output is compared
+    bit for bit
     with the BF16 kernel over the dequantized pages (the values the trainer's forward attends over)."""
     from jaxrl_fp8.precision.kv import quantize_kv
 
@@ -97,8 +97,8 @@ def fp8_decode_points(b, s, q, kp, vp, table, pos, iters, copy_bps):
     deq = jax.jit(lambda q, kp, vp, table, pos: A.paged_attention(q, kp, vp, table, pos, scale=D**-0.5))
     want = None
     rows = []
-    variants = (("fp8 kv", 0), ("fp8 kv converter", 1), ("fp8 kv 2 converters", 2))
-    for label, cfg in ((label, A.FlashConfig(paged_fp8_converters=n)) for label, n in variants):
+    variants = (("fp8 kv converter", True), ("fp8 kv", False))
+    for label, cfg in ((label, A.FlashConfig(paged_fp8_converter=c)) for label, c in variants):
         f8 = jax.jit(lambda q, kp, vp, table, pos, ks, vs, cfg=cfg: A.paged_attention(
             q, kp, vp, table, pos, scale=D**-0.5, k_scales=ks, v_scales=vs, config=cfg))
         r = _time(f8, *args, iters=iters)
@@ -182,8 +182,8 @@ def main(argv=None):
                         "program per SM)")
     p.add_argument("--fp8-kv", action="store_true",
                    help="also time the decode step over FP8 pages (kv_cache='fp8': e4m3 values and a power-of-two "
-                        "scale per token and head, half the bytes), converted by the compute warpgroup and by one "
-                        "or two converter warpgroups (FlashConfig.paged_fp8_converters), and compare their bits with the BF16 "
+                        "scale per token and head, half the bytes), converted by a converter warpgroup and by "
+                        "the compute warpgroup (FlashConfig.paged_fp8_converter), and compare their bits with the BF16 "
                         "kernel over the dequantized pages")
     p.add_argument("--out", default="experiments/benchmarks/results/attention_h200.json", help="JSON path")
     a = p.parse_args(argv)

@@ -167,8 +167,8 @@ def _fp8_pages(kp, vp):
             kq.dequantize(BF16), vq.dequantize(BF16))
 
 
-@pytest.mark.parametrize("converters", [0, 1, 2])
-def test_fp8_pages_give_the_bits_of_their_dequantized_values(converters):
+@pytest.mark.parametrize("converter", [False, True])
+def test_fp8_pages_give_the_bits_of_their_dequantized_values(converter):
     """FP8 pages (e4m3 + a power-of-two scale per token and head, dequantized in the kernel) == the BF16 kernel over
     the dequantized pages, bit for bit, for decode rows and a prefill tile; and == the training forward over the
     fake-quantized keys (what the trainer attends over under kv_cache='fp8')."""
@@ -181,7 +181,7 @@ def test_fp8_pages_give_the_bits_of_their_dequantized_values(converters):
     k8, v8, ks, vs, kd, vd = _fp8_pages(kp, vp)
     pos = np.array([299, 130])
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
-    cfg = A.FlashConfig(paged_fp8_converters=converters)
+    cfg = A.FlashConfig(paged_fp8_converter=converter)
     run = lambda *pages, **kw: np.asarray(A.paged_attention(qd, *pages, table, jnp.asarray(pos)[:, None], scale=d**-0.5,
                                                             interpret=_interpret(), **kw).astype(jnp.float32))
     got = run(k8, v8, k_scales=ks, v_scales=vs, config=cfg)
@@ -258,8 +258,8 @@ def test_gpu_fp8_pages_bits_at_4k():
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
     deq = np.asarray(A.paged_attention(qd, kd, vd, table, jnp.asarray(pos)[:, None], scale=sc).astype(jnp.float32))
     pre = jnp.broadcast_to(jnp.arange(0, 256, dtype=jnp.int32), (b, 256))
-    for converters in (0, 1, 2):  # the compute warpgroup converts, or one / two converter warpgroups do
-        cfg = A.FlashConfig(paged_fp8_converters=converters)
+    for converter in (False, True):  # the compute warpgroup converts, or a converter warpgroup does
+        cfg = A.FlashConfig(paged_fp8_converter=converter)
         got = np.asarray(A.paged_attention(qd, k8, v8, table, jnp.asarray(pos)[:, None], scale=sc, k_scales=ks,
                                            v_scales=vs, config=cfg).astype(jnp.float32))
         np.testing.assert_array_equal(got, deq)

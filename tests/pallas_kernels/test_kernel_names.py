@@ -70,13 +70,12 @@ def test_kernel_lowers_under_its_name(monkeypatch, name):
     assert _names(fn, *avals) == {name}
 
 
-@pytest.mark.parametrize("converters", [1, 2])
 @pytest.mark.parametrize("rows", [1, 16])
-def test_paged_fp8_kernel_with_converter_warpgroups_lowers(monkeypatch, rows, converters):
-    """FlashConfig.paged_fp8_converters: one or two more warpgroups dequantize the next block (decode and prefill
-    tiles)."""
+def test_paged_fp8_kernel_with_the_compute_warpgroup_converting_lowers(monkeypatch, rows):
+    """FlashConfig.paged_fp8_converter=False: the compute warpgroup dequantizes each block itself (decode and
+    prefill tiles; the default, a converter warpgroup, lowers in CASES and test_paged_prefill_kernel_lowers)."""
     monkeypatch.setattr(interpret_mode, "num_sms", lambda interpret: 132)
-    cfg = attention.FlashConfig(paged_fp8_converters=converters)
+    cfg = attention.FlashConfig(paged_fp8_converter=False)
     pages, scales = S((8, attention.BLOCK_KV, 2, 128), F8), S((8, 2, attention.BLOCK_KV), F32)
 
     def fn(q, k, v, table, pos, ks, vs):
