@@ -267,9 +267,8 @@ case "${1:-}" in
   dense_decode) timeout 300 $PY experiments/benchmarks/gemm.py --suites dense_decode \
       --out "$OUT/gemm_dense_decode_$(card_name).json" 2>&1 | quiet | grep -E "^ours|rror" ;;
   fp8_kv)  # (~4 min) the FP8 KV cache (kv_cache="fp8"): the paged kernel's GPU bit tests (FP8 pages == BF16 pages of the
-    # dequantized values == the forward over fake-quantized keys, 4k rows, converted by a converter warpgroup and by the compute warpgroup),
-    # then its decode step (each converter mode) beside BF16 pages (batch 64 / 256, caches 512 / 1k / 4k, copy
-    # roofline) -> $OUT/attention_fp8_kv_<card>.json
+    # dequantized values == the forward over fake-quantized keys, 4k rows), then its decode step beside BF16 pages
+    # (batch 64 / 256, caches 512 / 1k / 4k, copy roofline) -> $OUT/attention_fp8_kv_<card>.json
     timeout 200 $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py -k "long_rows or fp8" -p no:cacheprovider \
       2>&1 | tee "$OUT/fp8_kv_gpu_tests.log" | grep -E "passed|failed|rror"
     timeout 200 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 --decode-lengths 512,1024,4096 \

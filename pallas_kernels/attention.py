@@ -50,10 +50,6 @@ class FlashConfig:
     fwd_stages: int = 2
     bwd_stages: int = 2
     paged_stages: int = 3
-    # FP8 pages: a converter warpgroup dequantizes the next key block while the compute warpgroup runs this one (H100,
-    # 256 rows, 4k caches: 0.60 ms against 0.83 ms when the compute warpgroup converts each block itself and 0.85 ms
-    # over BF16 pages; at 512-token caches the compute warpgroup converting is faster: decision record 0014)
-    paged_fp8_converter: bool = True
     bwd_dq_keys: int = 128  # keys per step of the backward's dq kernel (128, or 64: 1-2 % slower on an H100; the gradients' bits depend on it)
 
 
@@ -197,7 +193,7 @@ def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float,
     n_blocks = (row_pos.reshape(b, r // BLOCK_Q, BLOCK_Q).max(axis=2) // BLOCK_KV + 1).astype(jnp.int32)
     out = paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
                                jnp.asarray(page_table, jnp.int32), k_scales, v_scales, scale=float(scale),
-                               stages=config.paged_stages, interpret=interpret, converter=config.paged_fp8_converter)
+                               stages=config.paged_stages, interpret=interpret)
     return out[:, :, :rows].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, h, d)
 
 

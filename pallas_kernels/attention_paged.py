@@ -9,12 +9,14 @@ the same absolute blocks, so a token's output has the forward's bits whatever th
 the page order in the pool or the number of tokens decoded at once.
 
 FP8 pages (the `kv_cache="fp8"` contract, `jaxrl_fp8.precision.kv`): e4m3 values with one power-of-two scale
-per (token, key/value head). The memory warpgroup reads half the bytes; the compute warpgroup dequantizes a
-block into a BF16 shared-memory tile (value x scale: exact, the scales keep every product a normal BF16
-number) before its wgmma, so the products see the very BF16 keys and values the trainer's forward sees.
+per (token, key/value head). The memory warpgroup reads half the bytes; a converter warpgroup dequantizes each
+block into a BF16 shared-memory tile (value x scale: exact, the scales keep every product a normal BF16 number)
+one block ahead of the compute warpgroup's wgmmas, so the products see the very BF16 keys and values the
+trainer's forward sees. (The compute warpgroup converting each block itself was slower at 5 of 6 measured points
+and is gone: decision record 0014.)
 
-Grid (key/value head, 64-row query tile, batch); one compute warpgroup and one TMA warpgroup that reads the
-pages in table order. A tile visits the blocks up to its last row's position (`n_blocks`, from the wrapper).
+Grid (key/value head, 64-row query tile, batch); one compute warpgroup (plus the converter over FP8 pages) and one
+TMA warpgroup that reads the pages in table order. A tile visits the blocks up to its last row's position (`n_blocks`, from the wrapper).
 """
 
 from __future__ import annotations
@@ -47,16 +49,15 @@ def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
     plgpu.commit_smem()
 
 
-@traced_once("scale", "stages", "interpret", "converter")
+@traced_once("scale", "stages", "interpret")
 def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, k_scales=None,
-                         v_scales=None, *, scale: float, stages: int, interpret: bool, converter: bool = True):
+                         v_scales=None, *, scale: float, stages: int, interpret: bool):
     """q_rows [B, Hkv, R, D], row_pos / row_start int32 [B, Rt], n_blocks int32 [B, Rt / BLOCK_Q], k/v_pages
     [P, BLOCK_KV, Hkv, D], page_table int32 [B, max_pages] -> out [B, Hkv, R, D]; Rt = R rounded up to BLOCK_Q.
     k/v_scales: None (pages in q's dtype) or float32 [P, Hkv, BLOCK_KV] (float8_e4m3fn pages, power-of-two
-    scales). converter (FP8 pages only): a converter warpgroup dequantizes block j + 1 into the other of two BF16
-    tiles while the compute warpgroup runs block j (handshake: a `ready` barrier per tile and operand, keys first,
-    so the q.k product starts while the values convert; a `free` barrier per tile), at most 2 FP8 stages (shared
-    memory); else the compute warpgroup dequantizes each block itself. Same values either way.
+    scales). FP8 pages: a converter warpgroup dequantizes block j + 1 into the other of two BF16 tiles while the
+    compute warpgroup runs block j (handshake: a `ready` barrier per tile and operand, keys first, so the q.k
+    product starts while the values convert; a `free` barrier per tile), at most 2 FP8 stages (shared memory).
 
     R is a multiple of BLOCK_Q, or smaller: then the one tile loads and stores only its R rows (a decode step's G
     query heads), and its other rows, left as they were in shared memory, are computed and dropped (rows of a
@@ -72,17 +73,15 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
     transforms = swizzled(dtype)
     fp8 = k_scales is not None  # (`attention.paged_attention` checks the pages' dtype and both scales' shapes)
 
-    converter = fp8 and converter
-    tiles16 = 2 if converter else 1  # BF16 tiles of dequantized (k, v): double-buffered for a converter warpgroup
-    if converter:
+    if fp8:  # two BF16 tiles of dequantized (k, v) leave shared memory for 2 FP8 stages
         stages = min(stages, 2)
     allocations = [
         plgpu.SMEM((1, BLOCK_Q, d), dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=1),
         a_staging((1, BLOCK_Q, BLOCK_KV), dtype, interpret),
-        plgpu.SMEM((tiles16, 2, BLOCK_KV, d), dtype, transforms=transforms) if fp8 else None,
-        plgpu.Barrier(num_barriers=4) if converter else None,  # ready 2t + i: tile t holds the block's keys (i = 0) / values
-        plgpu.Barrier(num_barriers=2) if converter else None,  # free: the compute warpgroup is done with tile t
+        plgpu.SMEM((2, 2, BLOCK_KV, d), dtype, transforms=transforms) if fp8 else None,
+        plgpu.Barrier(num_barriers=4) if fp8 else None,  # ready 2t + i: tile t holds the block's keys (i = 0) / values
+        plgpu.Barrier(num_barriers=2) if fp8 else None,  # free: the compute warpgroup is done with tile t
     ]
 
     def scoped(*refs):
@@ -100,7 +99,7 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
         def compute_thread(pipeline):
             qo_smem = qo_smem2.at[0]
             qo_held = qo_smem if tile_rows == BLOCK_Q else qo_smem.at[pl.ds(0, tile_rows)]
-            computes = wg == 0  # warpgroup 1, where there is one, is the converter
+            computes = wg == 0  # warpgroup 1, over FP8 pages, is the converter
 
             @pl.when(computes)
             def _():
@@ -111,7 +110,7 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
             row_start = row_vector(start_ref.at[bi, rows])
             acc, m_i, l_i = initial_softmax_state(BLOCK_Q, d)
             acc, m_i, l_i = pipeline((acc, m_i, l_i, row_pos, row_start))[:3]
-            if converter:  # the converter observes the compute warpgroup's last releases (at most two)
+            if fp8:  # the converter observes the compute warpgroup's last releases (at most two)
                 for back in (2, 1):
                     @pl.when((wg == 1) & (steps >= back))
                     def _():
@@ -168,16 +167,8 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
 
             return lax.cond(wg == 0, compute, lambda carry: carry, carry)
 
-        def body(idx, k_smem, v_smem, *rest):
+        def body(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
             (step,) = idx
-            if fp8:  # both halves of the block into BF16 first: the pipeline slots free before any wgmma
-                ks_smem, vs_smem, *consumed, carry = rest
-                _dequantize_block(k_smem, ks_smem, kv16.at[0, 0], dtype)
-                _dequantize_block(v_smem, vs_smem, kv16.at[0, 1], dtype)
-                for barrier in consumed:
-                    plgpu.barrier_arrive(barrier)
-                return attend(step, kv16.at[0, 0], kv16.at[0, 1], carry)
-            k_consumed, v_consumed, carry = rest
             return attend(step, k_smem, v_smem, carry, k_consumed, v_consumed)
 
         page_dtype = k_ref.dtype
@@ -188,12 +179,12 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
             scale_spec = plgpu.BlockSpec((None, BLOCK_KV), lambda s: (pt_ref[bi, s], 0))
             specs += [scale_spec, scale_spec]
             operands += [ks_ref.at[:, kvh, :], vs_ref.at[:, kvh, :]]
-        pipeline = block_pipeline(converter_body if converter else body, steps, specs, stages=stages,
-                                  compute_wgs=2 if converter else 1, compute_thread=compute_thread)
+        pipeline = block_pipeline(converter_body if fp8 else body, steps, specs, stages=stages,
+                                  compute_wgs=2 if fp8 else 1, compute_thread=compute_thread)
         pipeline(*operands)
 
     call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, tiles, b),
-                       ("kv_heads", "rows", "batch"), 2 if converter else 1,
+                       ("kv_heads", "rows", "batch"), 2 if fp8 else 1,
                        name="attention_paged_fp8" if fp8 else "attention_paged")
     scales = (k_scales, v_scales) if fp8 else ()
     return launch(call, q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, *scales,

@@ -83,36 +83,28 @@ def training_points(lengths, iters, results, out):
         del q, k, v, g
 
 
-def fp8_decode_points(b, s, q, kp, vp, table, pos, iters, copy_bps):
+def fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps):
     """The paged decode step over FP8 pages (`kv_cache="fp8"`: e4m3 values, a power-of-two scale per token and
-    head, dequantized in the kernel) of the same keys, converted by a converter warpgroup ("fp8 kv converter", the
-    default) and by the compute warpgroup ("fp8 kv", FlashConfig.paged_fp8_converter=False); each output is compared
-    bit for bit
-    with the BF16 kernel over the dequantized pages (the values the trainer's forward attends over)."""
+    head, dequantized in the kernel by a converter warpgroup) of the same keys ("fp8 kv"); its output is compared bit
+    for bit with the BF16 kernel over the dequantized pages (the values the trainer's forward attends over)."""
     from jaxrl_fp8.precision.kv import quantize_kv
 
     kq, vq = quantize_kv(kp), quantize_kv(vp)
     ks, vs = (x.scales.transpose(0, 2, 1) for x in (kq, vq))
     args = (q, kq.values, vq.values, table, pos, ks, vs)
-    deq = jax.jit(lambda q, kp, vp, table, pos: A.paged_attention(q, kp, vp, table, pos, scale=D**-0.5))
-    want = None
-    rows = []
-    variants = (("fp8 kv converter", True), ("fp8 kv", False))
-    for label, cfg in ((label, A.FlashConfig(paged_fp8_converter=c)) for label, c in variants):
-        f8 = jax.jit(lambda q, kp, vp, table, pos, ks, vs, cfg=cfg: A.paged_attention(
-            q, kp, vp, table, pos, scale=D**-0.5, k_scales=ks, v_scales=vs, config=cfg))
-        r = _time(f8, *args, iters=iters)
-        kv_bytes = 2 * b * s * HKV * (D + 4)
-        row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, "variant": label, **r}
-        if "median_s" in r:
-            row["roofline_s"] = kv_bytes / copy_bps
-            row["fraction_of_roofline"] = row["roofline_s"] / r["median_s"]
-            got = np.asarray(f8(*args).astype(jnp.float32))
-            if want is None:
-                want = np.asarray(deq(q, kq.dequantize(BF16), vq.dequantize(BF16), table, pos).astype(jnp.float32))
-            row["bitwise_vs_bf16_of_dequantized"] = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
-        rows.append(row)
-    return rows
+    f8 = jax.jit(lambda q, kp, vp, table, pos, ks, vs: A.paged_attention(
+        q, kp, vp, table, pos, scale=D**-0.5, k_scales=ks, v_scales=vs))
+    r = _time(f8, *args, iters=iters)
+    kv_bytes = 2 * b * s * HKV * (D + 4)
+    row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, "variant": "fp8 kv", **r}
+    if "median_s" in r:
+        row["roofline_s"] = kv_bytes / copy_bps
+        row["fraction_of_roofline"] = row["roofline_s"] / r["median_s"]
+        deq = jax.jit(lambda q, kp, vp, table, pos: A.paged_attention(q, kp, vp, table, pos, scale=D**-0.5))
+        got = np.asarray(f8(*args).astype(jnp.float32))
+        want = np.asarray(deq(q, kq.dequantize(BF16), vq.dequantize(BF16), table, pos).astype(jnp.float32))
+        row["bitwise_vs_bf16_of_dequantized"] = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+    return row
 
 
 def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=(), fp8_kv=False):
@@ -156,7 +148,8 @@ def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variant
                       f"roofline fraction {row.get('fraction_of_roofline')}  bitwise {row.get('bitwise_vs_default')}",
                       flush=True)
                 write_results(out, results)
-            for row in fp8_decode_points(b, s, q, kp, vp, table, pos, iters, copy_bps) if fp8_kv else ():
+            if fp8_kv:
+                row = fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps)
                 results["points"].append(row)
                 print(f"decode B={b:4d} S={s:6d} {row['variant']:16s} {row.get('median_s', row.get('error'))} s  "
                       f"roofline fraction {row.get('fraction_of_roofline')}  "
@@ -182,9 +175,8 @@ def main(argv=None):
                         "program per SM)")
     p.add_argument("--fp8-kv", action="store_true",
                    help="also time the decode step over FP8 pages (kv_cache='fp8': e4m3 values and a power-of-two "
-                        "scale per token and head, half the bytes), converted by a converter warpgroup and by "
-                        "the compute warpgroup (FlashConfig.paged_fp8_converter), and compare their bits with the BF16 "
-                        "kernel over the dequantized pages")
+                        "scale per token and head, half the bytes, dequantized by a converter warpgroup) and compare its "
+                        "bits with the BF16 kernel over the dequantized pages")
     p.add_argument("--out", default="experiments/benchmarks/results/attention_h200.json", help="JSON path")
     a = p.parse_args(argv)
     dev = jax.devices()[0]

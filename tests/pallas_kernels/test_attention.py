@@ -167,9 +167,10 @@ def _fp8_pages(kp, vp):
             kq.dequantize(BF16), vq.dequantize(BF16))
 
 
-@pytest.mark.parametrize("converter", [False, True])
-def test_fp8_pages_give_the_bits_of_their_dequantized_values(converter):
-    """FP8 pages (e4m3 + a power-of-two scale per token and head, dequantized in the kernel) == the BF16 kernel over
+@pytest.mark.parametrize("stages", [1, 2])
+def test_fp8_pages_give_the_bits_of_their_dequantized_values(stages):
+    """FP8 pages (e4m3 + a power-of-two scale per token and head, dequantized by the converter warpgroup, through 1 or
+    2 pipeline stages: a block's FP8 slot is released before or after the next is converted) == the BF16 kernel over
     the dequantized pages, bit for bit, for decode rows and a prefill tile; and == the training forward over the
     fake-quantized keys (what the trainer attends over under kv_cache='fp8')."""
     from jaxrl_fp8.precision.kv import fake_quantize_kv
@@ -181,7 +182,7 @@ def test_fp8_pages_give_the_bits_of_their_dequantized_values(converter):
     k8, v8, ks, vs, kd, vd = _fp8_pages(kp, vp)
     pos = np.array([299, 130])
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
-    cfg = A.FlashConfig(paged_fp8_converter=converter)
+    cfg = A.FlashConfig(paged_stages=stages)
     run = lambda *pages, **kw: np.asarray(A.paged_attention(qd, *pages, table, jnp.asarray(pos)[:, None], scale=d**-0.5,
                                                             interpret=_interpret(), **kw).astype(jnp.float32))
     got = run(k8, v8, k_scales=ks, v_scales=vs, config=cfg)
@@ -258,15 +259,13 @@ def test_gpu_fp8_pages_bits_at_4k():
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
     deq = np.asarray(A.paged_attention(qd, kd, vd, table, jnp.asarray(pos)[:, None], scale=sc).astype(jnp.float32))
     pre = jnp.broadcast_to(jnp.arange(0, 256, dtype=jnp.int32), (b, 256))
-    for converter in (False, True):  # the compute warpgroup converts, or a converter warpgroup does
-        cfg = A.FlashConfig(paged_fp8_converter=converter)
-        got = np.asarray(A.paged_attention(qd, k8, v8, table, jnp.asarray(pos)[:, None], scale=sc, k_scales=ks,
-                                           v_scales=vs, config=cfg).astype(jnp.float32))
-        np.testing.assert_array_equal(got, deq)
-        for i in range(b):
-            np.testing.assert_array_equal(got[i, 0], full[i, pos[i]])
-        out = A.paged_attention(q[:, :256], k8, v8, table, pre, scale=sc, k_scales=ks, v_scales=vs, config=cfg)
-        np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
+    got = np.asarray(A.paged_attention(qd, k8, v8, table, jnp.asarray(pos)[:, None], scale=sc, k_scales=ks,
+                                       v_scales=vs).astype(jnp.float32))
+    np.testing.assert_array_equal(got, deq)
+    for i in range(b):
+        np.testing.assert_array_equal(got[i, 0], full[i, pos[i]])
+    out = A.paged_attention(q[:, :256], k8, v8, table, pre, scale=sc, k_scales=ks, v_scales=vs)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
 
 
 @pytest.mark.gpu

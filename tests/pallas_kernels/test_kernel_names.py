@@ -70,21 +70,6 @@ def test_kernel_lowers_under_its_name(monkeypatch, name):
     assert _names(fn, *avals) == {name}
 
 
-@pytest.mark.parametrize("rows", [1, 16])
-def test_paged_fp8_kernel_with_the_compute_warpgroup_converting_lowers(monkeypatch, rows):
-    """FlashConfig.paged_fp8_converter=False: the compute warpgroup dequantizes each block itself (decode and
-    prefill tiles; the default, a converter warpgroup, lowers in CASES and test_paged_prefill_kernel_lowers)."""
-    monkeypatch.setattr(interpret_mode, "num_sms", lambda interpret: 132)
-    cfg = attention.FlashConfig(paged_fp8_converter=False)
-    pages, scales = S((8, attention.BLOCK_KV, 2, 128), F8), S((8, 2, attention.BLOCK_KV), F32)
-
-    def fn(q, k, v, table, pos, ks, vs):
-        return attention.paged_attention(q, k, v, table, pos, scale=0.125, config=cfg, k_scales=ks, v_scales=vs)
-
-    assert _names(fn, S((2, rows, 8, 128), BF16), pages, pages, S((2, 4), I32), S((2, rows), I32), scales,
-                  scales) == {"attention_paged_fp8"}
-
-
 @pytest.mark.parametrize("fp8", [False, True])
 def test_paged_prefill_kernel_lowers(monkeypatch, fp8):
     """A prefill's 128 query rows (two whole tiles), over BF16 or FP8 pages (the CASES above decode 8 rows: part of
