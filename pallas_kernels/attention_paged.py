@@ -12,8 +12,8 @@ FP8 pages (the `kv_cache="fp8"` contract, `jaxrl_fp8.precision.kv`): e4m3 values
 per (token, key/value head). The memory warpgroup reads half the bytes; a converter warpgroup dequantizes each
 block into a BF16 shared-memory tile (value x scale: exact, the scales keep every product a normal BF16 number)
 one block ahead of the compute warpgroup's wgmmas, so the products see the very BF16 keys and values the
-trainer's forward sees. (The compute warpgroup converting each block itself was slower at 5 of 6 measured points
-and is gone: decision record 0014.)
+trainer's forward sees. A separate warpgroup, because conversion inside the compute warpgroup sits serially with
+its wgmmas and softmax (slower at 5 of 6 measured points, decision record 0014).
 
 Grid (key/value head, 64-row query tile, batch); one compute warpgroup (plus the converter over FP8 pages) and one
 TMA warpgroup that reads the pages in table order. A tile visits the blocks up to its last row's position (`n_blocks`, from the wrapper).
@@ -43,7 +43,7 @@ def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
     for h in range(BLOCK_KV // half):
         keys = pl.ds(h * half, half)
         # e4m3 -> f16 is the one hardware conversion from FP8 (exact: e4m3 fits f16), then float32 for the scale
-        x = values_smem[keys].astype(jnp.float16).astype(jnp.float32)
+        x = plgpu.load(values_smem.at[keys], layout=plgpu.Layout.WGMMA).astype(jnp.float16).astype(jnp.float32)
         s = plgpu.load(scales_smem.at[keys], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         out_smem[keys] = (x * lax.broadcast_in_dim(s, x.shape, [0])).astype(dtype)
     plgpu.commit_smem()
