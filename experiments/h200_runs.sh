@@ -272,7 +272,7 @@ case "${1:-}" in
     timeout 200 $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py -k "long_rows or fp8" -p no:cacheprovider \
       2>&1 | tee "$OUT/fp8_kv_gpu_tests.log" | grep -E "passed|failed|rror"
     timeout 200 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 --decode-lengths 512,1024,4096 \
-      --fp8-kv "${FP8_DEQUANT:-f32}" --out "$OUT/attention_fp8_kv_$(card_name).json" 2>&1 | quiet | grep -E "^decode|rror" ;;
+      --fp8-kv --out "$OUT/attention_fp8_kv_$(card_name).json" 2>&1 | quiet | grep -E "^decode|rror" ;;
   fp8_kv_workload)  # (~7 min) the rollout workload with bf16, fp8_block and fp8_block_kv (continuous; decode step also at
     # 1280-token prompts) -> $OUT/rollout_workload_<card>.json (fp8_kv_over_bf16 beside fp8_over_bf16)
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-540}" $PY experiments/benchmarks/rollout_workload.py \

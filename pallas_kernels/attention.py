@@ -50,7 +50,6 @@ class FlashConfig:
     fwd_stages: int = 2
     bwd_stages: int = 2
     paged_stages: int = 3
-    paged_fp8_dequant: str = "f32"  # FP8 pages' e4m3 -> BF16: "f32" (hardware conversions) or "bits" (integer ALU)
     bwd_dq_keys: int = 128  # keys per step of the backward's dq kernel (128, or 64: 1-2 % slower on an H100; the gradients' bits depend on it)
 
 
@@ -194,8 +193,7 @@ def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float,
     n_blocks = (row_pos.reshape(b, r // BLOCK_Q, BLOCK_Q).max(axis=2) // BLOCK_KV + 1).astype(jnp.int32)
     out = paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
                                jnp.asarray(page_table, jnp.int32), k_scales, v_scales, scale=float(scale),
-                               stages=config.paged_stages, dequant=config.paged_fp8_dequant,
-                               interpret=interpret)
+                               stages=config.paged_stages, interpret=interpret)
     return out[:, :, :rows].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, h, d)
 
 

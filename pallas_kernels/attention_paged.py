@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -37,88 +36,22 @@ from pallas_kernels.kernel_cache import traced_once
 __all__ = ["paged_rows_attention"]
 
 
-BF16_2_POW_112 = 0x7780  # 2^112 in bfloat16: an f16's bits shifted into a bfloat16 are its value x 2^-112
-
-# One pair of e4m3 codes (a 16-bit register) -> their two bfloat16 values times a bfloat16 scale pair. The hardware
-# converts e4m3 -> f16 (exact; every e4m3 value is a normal f16 or zero); a 3-bit shift puts the f16 exponent and
-# mantissa at bfloat16's exponent and mantissa LSBs (the value x 2^-112: a normal bfloat16 or zero, since f16's
-# exponent field is 1..30 and its 7 low mantissa bits are zero here), the sign goes back to bit 15; two packed
-# bfloat16 multiplies (exact: powers of two, no product subnormal or overflowing by the scale bounds of
-# precision.kv) apply 2^112 and the scale. No subnormal operand anywhere, so no flush-to-zero can differ.
-_E4M3X2_TIMES_SCALE_PTX = """{
-.reg .b32 h, t, c;
-cvt.rn.f16x2.e4m3x2 h, $1;
-shr.b32 t, h, 3;
-and.b32 t, t, 0x0FFF0FFF;
-lop3.b32 h, t, h, 0x80008000, 0xF8;
-mov.b32 c, 0x77807780;
-mul.rn.bf16x2 h, h, c;
-mul.rn.bf16x2 $0, h, $2;
-}"""
-
-
-def e4m3_times_scale(x: jax.Array, s: jax.Array) -> jax.Array:
-    """The formula of `_E4M3X2_TIMES_SCALE_PTX` on jnp arrays (interpret mode; checked against
-    `precision.kv.dequantize_kv` over every e4m3 code): x float8_e4m3fn, s bfloat16 (powers of two) -> bfloat16 x s.
-    An e4m3 NaN code need not decode to NaN here; quantize_kv writes NaN codes only beside a NaN scale."""
-    h = lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16)
-    bits = ((h >> 3) & 0x0FFF) | (h & 0x8000)
-    y = lax.bitcast_convert_type(bits, jnp.bfloat16)
-    return (y * lax.bitcast_convert_type(jnp.uint16(BF16_2_POW_112), jnp.bfloat16)) * s
-
-
-def _e4m3_times_scale_gpu(x: jax.Array, s: jax.Array) -> jax.Array:
-    """x float8_e4m3fn and s bfloat16 of one shape in the WGMMA layout -> bfloat16 x s, one inline-PTX sequence per
-    pair of codes (integer ALU and packed bfloat16 multiplies instead of f16 -> f32 -> bfloat16 conversions)."""
-    from jaxlib.mlir import ir  # noqa: PLC0415
-    from jaxlib.mlir.dialects import llvm  # noqa: PLC0415
-    from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa, utils as mgpu_utils  # noqa: PLC0415
-
-    layout = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(arg_types=(layout, layout),
-                       return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.bfloat16, layout))
-    def convert(_, x, s):
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-        out = np.empty(x.registers.shape, dtype=object)
-        for idx, reg in np.ndenumerate(x.registers):
-            if tuple(ir.VectorType(reg.type).shape) != (2,):
-                raise NotImplementedError(f"e4m3 registers of shape {ir.VectorType(reg.type).shape}: the conversion "
-                                          "takes pairs")
-            pair = mgpu_utils.bitcast(reg, i16)
-            scale = mgpu_utils.bitcast(s.registers[idx], i32)
-            res = llvm.inline_asm(i32, [pair, scale], _E4M3X2_TIMES_SCALE_PTX, "=r,h,r")
-            out[idx] = mgpu_utils.bitcast(res, bf16x2)
-        return mgpu_fa.FragmentedArray(_registers=out, _layout=x.layout, _is_signed=None)
-
-    return convert(x, s)
-
-
-def _dequantize_block(values_smem, scales_smem, out_smem, dtype, dequant: str, interpret: bool):
+def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
     """out = values x scale of their key (rows of BLOCK_KV keys), in 64-key halves to bound the registers; then
-    a proxy fence, so the wgmmas (async proxy) see the stores. dequant "f32": e4m3 -> f16 -> float32 x scale ->
-    BF16 (hardware conversions); "bits": `e4m3_times_scale` (e4m3 -> f16, then integer ALU and packed BF16
-    multiplies). Same values."""
+    a proxy fence, so the wgmmas (async proxy) see the stores."""
     half = BLOCK_KV // 2
     for h in range(BLOCK_KV // half):
         keys = pl.ds(h * half, half)
-        x = plgpu.load(values_smem.at[keys], layout=plgpu.Layout.WGMMA)
+        # e4m3 -> f16 is the one hardware conversion from FP8 (exact: e4m3 fits f16), then float32 for the scale
+        x = plgpu.load(values_smem.at[keys], layout=plgpu.Layout.WGMMA).astype(jnp.float16).astype(jnp.float32)
         s = plgpu.load(scales_smem.at[keys], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-        if dequant == "bits":
-            s = lax.broadcast_in_dim(s.astype(jnp.bfloat16), x.shape, [0])
-            out_smem[keys] = (e4m3_times_scale if interpret else _e4m3_times_scale_gpu)(x, s).astype(dtype)
-        else:
-            # e4m3 -> f16 is the one hardware conversion from FP8 (exact: e4m3 fits f16), then float32 for the scale
-            xf = x.astype(jnp.float16).astype(jnp.float32)
-            out_smem[keys] = (xf * lax.broadcast_in_dim(s, xf.shape, [0])).astype(dtype)
+        out_smem[keys] = (x * lax.broadcast_in_dim(s, x.shape, [0])).astype(dtype)
     plgpu.commit_smem()
 
 
-@traced_once("scale", "stages", "dequant", "interpret")
+@traced_once("scale", "stages", "interpret")
 def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, k_scales=None,
-                         v_scales=None, *, scale: float, stages: int, dequant: str = "f32",
-                         interpret: bool):
+                         v_scales=None, *, scale: float, stages: int, interpret: bool):
     """q_rows [B, Hkv, R, D], row_pos / row_start int32 [B, Rt], n_blocks int32 [B, Rt / BLOCK_Q], k/v_pages
     [P, BLOCK_KV, Hkv, D], page_table int32 [B, max_pages] -> out [B, Hkv, R, D]; Rt = R rounded up to BLOCK_Q.
     k/v_scales: None (pages in q's dtype) or float32 [P, Hkv, BLOCK_KV] (float8_e4m3fn pages, power-of-two
@@ -216,7 +149,7 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
                     plgpu.barrier_wait(free.at[tile])  # the compute warpgroup is done with block step - 2
 
                 for part, (values, scales) in enumerate(((k_smem, ks_smem), (v_smem, vs_smem))):
-                    _dequantize_block(values, scales, kv16.at[tile, part], dtype, dequant, interpret)
+                    _dequantize_block(values, scales, kv16.at[tile, part], dtype)
                     plgpu.barrier_arrive(ready.at[2 * tile + part])
                 for part in range(2):
                     plgpu.barrier_wait(ready.at[2 * tile + part])  # its own arrivals complete them: every phase observed by both

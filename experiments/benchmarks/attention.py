@@ -83,23 +83,20 @@ def training_points(lengths, iters, results, out):
         del q, k, v, g
 
 
-def fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps, dequant="f32"):
+def fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps):
     """The paged decode step over FP8 pages (`kv_cache="fp8"`: e4m3 values, a power-of-two scale per token and
-    head, dequantized in the kernel by a converter warpgroup) of the same keys ("fp8 kv"; another
-    FlashConfig.paged_fp8_dequant than the default: "fp8 kv (dequant <name>)"); its output is compared bit for bit
-    with the BF16 kernel over the dequantized pages (the values the trainer's forward attends over)."""
+    head, dequantized in the kernel by a converter warpgroup) of the same keys ("fp8 kv"); its output is compared bit
+    for bit with the BF16 kernel over the dequantized pages (the values the trainer's forward attends over)."""
     from jaxrl_fp8.precision.kv import quantize_kv
 
     kq, vq = quantize_kv(kp), quantize_kv(vp)
     ks, vs = (x.scales.transpose(0, 2, 1) for x in (kq, vq))
     args = (q, kq.values, vq.values, table, pos, ks, vs)
-    cfg = A.FlashConfig(paged_fp8_dequant=dequant)
     f8 = jax.jit(lambda q, kp, vp, table, pos, ks, vs: A.paged_attention(
-        q, kp, vp, table, pos, scale=D**-0.5, k_scales=ks, v_scales=vs, config=cfg))
+        q, kp, vp, table, pos, scale=D**-0.5, k_scales=ks, v_scales=vs))
     r = _time(f8, *args, iters=iters)
     kv_bytes = 2 * b * s * HKV * (D + 4)
-    label = "fp8 kv" if dequant == A.FlashConfig().paged_fp8_dequant else f"fp8 kv (dequant {dequant})"
-    row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, "variant": label, **r}
+    row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, "variant": "fp8 kv", **r}
     if "median_s" in r:
         row["roofline_s"] = kv_bytes / copy_bps
         row["fraction_of_roofline"] = row["roofline_s"] / r["median_s"]
@@ -110,11 +107,10 @@ def fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps, dequant="f32"
     return row
 
 
-def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=(), fp8_kv=()):
+def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=(), fp8_kv=False):
     """The paged decode step per (batch, cache length) under the default config, under each pipeline depth of
     `stage_variants` (FlashConfig.paged_stages: fewer stages leave shared memory for a second program per SM), each
-    variant's output compared with the default's bit for bit; over FP8 pages (`fp8_decode_point`) once per
-    dequantization mode in `fp8_kv` (FlashConfig.paged_fp8_dequant)."""
+    variant's output compared with the default's bit for bit; with `fp8_kv`, over FP8 pages (`fp8_decode_point`)."""
     default = A.FlashConfig()
     configs = [("default", default)] + [(f"stages {s}", A.FlashConfig(paged_stages=s)) for s in stage_variants
                                         if s != default.paged_stages]
@@ -152,8 +148,8 @@ def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variant
                       f"roofline fraction {row.get('fraction_of_roofline')}  bitwise {row.get('bitwise_vs_default')}",
                       flush=True)
                 write_results(out, results)
-            for dequant in fp8_kv:
-                row = fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps, dequant)
+            if fp8_kv:
+                row = fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps)
                 results["points"].append(row)
                 print(f"decode B={b:4d} S={s:6d} {row['variant']:16s} {row.get('median_s', row.get('error'))} s  "
                       f"roofline fraction {row.get('fraction_of_roofline')}  "
@@ -177,11 +173,10 @@ def main(argv=None):
                    help="comma list of pipeline depths of the paged decode kernel (FlashConfig.paged_stages) to time "
                         "beside the default's (3): e.g. 1,2 (one or two stages leave shared memory for a second "
                         "program per SM)")
-    p.add_argument("--fp8-kv", nargs="?", const=A.FlashConfig().paged_fp8_dequant, default="",
+    p.add_argument("--fp8-kv", action="store_true",
                    help="also time the decode step over FP8 pages (kv_cache='fp8': e4m3 values and a power-of-two "
                         "scale per token and head, half the bytes, dequantized by a converter warpgroup) and compare its "
-                        "bits with the BF16 kernel over the dequantized pages; optionally a comma list of "
-                        "FlashConfig.paged_fp8_dequant modes to time (f32, bits; default: the config's default)")
+                        "bits with the BF16 kernel over the dequantized pages")
     p.add_argument("--out", default="experiments/benchmarks/results/attention_h200.json", help="JSON path")
     a = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -198,7 +193,7 @@ def main(argv=None):
         results["copy_bytes_per_s"] = bps
         decode_points([int(x) for x in a.decode_batches.split(",")], [int(x) for x in a.decode_lengths.split(",")],
                       a.iters, bps, results, a.out, [int(x) for x in a.paged_stages.split(",") if x],
-                      fp8_kv=[x for x in a.fp8_kv.split(",") if x])
+                      fp8_kv=a.fp8_kv)
     write_results(a.out, results)
 
 
