@@ -73,6 +73,10 @@
 #                                            # column tile per warpgroup): its GPU bit tests, then gemm.py --suites decode
 #                                            # (the expert GEMMs of a decode step at 64 / 256 rows: default vs narrow split vs
 #                                            # our BF16 kernel, weight bytes against the copy bandwidth) -> $OUT/gemm_decode_h200.json
+#   bash experiments/h200_runs.sh profile_kv  # (~3 min) where the FP8 KV cache's decode step goes: step_profile.py's decode
+#                                            # program, fp8_block_kv beside fp8_block, 4 layers, 256 slots, 1280-token prompts (the
+#                                            # workload measured fp8_block_kv's step slower there, 3.42 vs 3.32 ms, although its
+#                                            # paged kernel alone is faster) -> $OUT/step_profile_decode256_kv_<card>.json
 #   bash experiments/h200_runs.sh profile_decode  # (~8 min; PROFILE_SLOTS=64 for one) step_profile.py's decode program at 64 slots (rl_step's rollout:
 #                                            # 1k responses) and at 256 slots (rollout_workload), 6 layers, bf16 + fp8_block,
 #                                            # every kernel listed (--top 120) with the source lines it computes (--hlo-dump),
@@ -285,6 +289,9 @@ case "${1:-}" in
       2>&1 | tee "$OUT/decode_gemm_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
     timeout 300 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_h200.json" 2>&1 | quiet \
       | tee "$OUT/gemm_decode.log" ;;
+  profile_kv) XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-240}" $PY experiments/benchmarks/step_profile.py --programs decode \
+      --recipes fp8_block_kv,fp8_block --layers 4 --slots 256 --prompt-len 1280 --max-len 8192 --top 60 \
+      --out "$OUT/step_profile_decode256_kv_$(card_name).json" 2>&1 | quiet | tail -40 ;;
   profile_decode)
     for slots in ${PROFILE_SLOTS:-64 256}; do
       len=$([ $slots = 64 ] && echo 1024 || echo 8192)
