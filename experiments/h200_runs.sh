@@ -77,6 +77,10 @@
 #                                            # program, fp8_block_kv beside fp8_block, 4 layers, 256 slots, 1280-token prompts (the
 #                                            # workload measured fp8_block_kv's step slower there, 3.42 vs 3.32 ms, although its
 #                                            # paged kernel alone is faster) -> $OUT/step_profile_decode256_kv_<card>.json
+#   bash experiments/h200_runs.sh ncu_decode  # (~4 min) Nsight Compute of the decode step's two FP8 kernels: the paged FP8
+#                                            # attention (256 rows x 4k caches) and the grouped FP8 expert GEMM (gemm.py --suites
+#                                            # decode): $OUT/ncu_<kernel>.txt (speed of light, memory, warp states) and where warps
+#                                            # wait per SASS instruction ($OUT/ncu_<kernel>_stalls.txt from ncu_stalls.py, CSV beside)
 #   bash experiments/h200_runs.sh profile_decode  # (~8 min; PROFILE_SLOTS=64 for one) step_profile.py's decode program at 64 slots (rl_step's rollout:
 #                                            # 1k responses) and at 256 slots (rollout_workload), 6 layers, bf16 + fp8_block,
 #                                            # every kernel listed (--top 120) with the source lines it computes (--hlo-dump),
@@ -292,6 +296,19 @@ case "${1:-}" in
   profile_kv) XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-240}" $PY experiments/benchmarks/step_profile.py --programs decode \
       --recipes fp8_block_kv,fp8_block --layers 4 --slots 256 --prompt-len 1280 --max-len 8192 --top 60 \
       --out "$OUT/step_profile_decode256_kv_$(card_name).json" 2>&1 | quiet | tail -40 ;;
+  ncu_decode)
+    for spec in "attention_paged_fp8|experiments/benchmarks/attention.py --skip train --decode-batches 256 --decode-lengths 4096 --fp8-kv --out /tmp/ncu_attention.json" \
+                "gemm_grouped_fp8|experiments/benchmarks/gemm.py --suites decode --out /tmp/ncu_gemm.json"; do
+      name=${spec%%|*}
+      timeout 200 ncu -f --kernel-name "regex:${name}_mosaic" --launch-skip 4 --launch-count 1 --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section LaunchStats \
+          --section Occupancy --section SourceCounters -o "/tmp/ncu_$name" $PY ${spec#*|} > "/tmp/ncu_${name}_run.log" 2>&1
+      ncu -i "/tmp/ncu_$name.ncu-rep" --page details > "$OUT/ncu_$name.txt" 2>&1
+      ncu -i "/tmp/ncu_$name.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${name}_sass.csv" 2>&1
+      $PY experiments/benchmarks/ncu_stalls.py "$OUT/ncu_${name}_sass.csv" --top 25 --context 3 \
+          | tee "$OUT/ncu_${name}_stalls.txt" | head -30
+      grep -E "Duration|DRAM Throughput|Registers Per|Achieved Active|Eligible Warps" "$OUT/ncu_$name.txt"
+    done ;;
   profile_decode)
     for slots in ${PROFILE_SLOTS:-64 256}; do
       len=$([ $slots = 64 ] && echo 1024 || echo 8192)
