@@ -41,7 +41,7 @@ def _bf16_dot(x, w, gs, backend, layout="nk"):
     return backends.bf16_grouped_matmul(x, w, gs, backend=be, layout=layout)
 
 
-def _forward(x, w, gs, fmt, backend):
+def _forward(x, w, gs, fmt, backend, out_dtype):
     e, n, k = w.shape
     if fmt == F.BF16:
         return _bf16_dot(x, jnp.asarray(w), gs, backend), None
@@ -49,7 +49,11 @@ def _forward(x, w, gs, fmt, backend):
         be = backends.resolve(backend, fmt, n, k)
         xq, sa = O.fp8_act(x, be)
         wq, sb = O.fp8_weight(w, be)
-        y = block_scaled.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, backend=be, b_scale_op=O.weight_scale_operand(w))
+        # the kernel rounds its float32 tiles to out_dtype as it stores them (round to nearest even, the convert XLA
+        # would run after it): the same values without a float32 [M, N] round trip through memory and a convert
+        # kernel, and a staging tile of out_dtype in shared memory
+        y = block_scaled.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, backend=be, out_dtype=out_dtype,
+                                                     b_scale_op=O.weight_scale_operand(w))
         return y, (xq, sa, wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
     return _bf16_dot(xd, wd, gs, backend), (xd, wd)
@@ -57,11 +61,11 @@ def _forward(x, w, gs, fmt, backend):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _grouped(x, w, gs, fmt, backward, backend, out_dtype):
-    return _forward(x, w, gs, fmt, backend)[0].astype(out_dtype)
+    return _forward(x, w, gs, fmt, backend, out_dtype)[0].astype(out_dtype)
 
 
 def _grouped_fwd(x, w, gs, fmt, backward, backend, out_dtype):
-    y, fwd_ops = _forward(x, w, gs, fmt, backend)
+    y, fwd_ops = _forward(x, w, gs, fmt, backend, out_dtype)
     keep = fwd_ops if (backward == "dequantized" or (backward == "fp8" and fmt == F.FP8_BLOCK)) else None
     return y.astype(out_dtype), (x, w, gs, keep)
 
