@@ -83,15 +83,17 @@ def bf16_grouped_wgrad(dy, x, group_sizes, num_groups: int, *, backend: str):
     return gemm_grouped_wgrad.grouped_wgrad_bf16(dy, x, group_sizes, num_groups, interpret=backend == "interpret")
 
 
-def bf16_grouped_matmul(x, w, group_sizes, *, backend: str, layout: str = "nk"):
-    """float32 [M, O] = x . w[g]^T ("nk", w [E, O, C]) or x . w[g] ("kn", w [E, C, O]), BF16 operands."""
+def bf16_grouped_matmul(x, w, group_sizes, *, backend: str, layout: str = "nk", out_dtype=jax.numpy.float32):
+    """[M, O] = x . w[g]^T ("nk", w [E, O, C]) or x . w[g] ("kn", w [E, C, O]), BF16 operands, float32 sums rounded
+    to out_dtype (the kernel rounds as it stores, to nearest even like XLA's convert: the same values)."""
     bf16 = jax.numpy.bfloat16
     if backend == "xla":
-        return grouping.grouped_dot(x, w if layout == "nk" else jax.numpy.swapaxes(w, 1, 2), group_sizes)
+        y = grouping.grouped_dot(x, w if layout == "nk" else jax.numpy.swapaxes(w, 1, 2), group_sizes)
+        return y.astype(out_dtype)
     from pallas_kernels import gemm_grouped_bf16
 
     return gemm_grouped_bf16.grouped_matmul(
-        x.astype(bf16), w.astype(bf16), group_sizes, layout=layout, interpret=backend == "interpret"
+        x.astype(bf16), w.astype(bf16), group_sizes, layout=layout, out_dtype=out_dtype, interpret=backend == "interpret"
     )
 
 

@@ -34,17 +34,18 @@ def grouped_linear(x, w, group_sizes, *, fmt: str = "bf16", backward: str = "hig
     return _grouped(x, w, group_sizes, fmt, backward, backend, out_dtype)
 
 
-def _bf16_dot(x, w, gs, backend, layout="nk"):
-    """BF16 grouped GEMM, float32 result: the Pallas kernel on Hopper (auto) when the shape fits, else XLA."""
+def _bf16_dot(x, w, gs, backend, layout="nk", out_dtype=jnp.float32):
+    """BF16 grouped GEMM, float32 sums rounded to out_dtype: the Pallas kernel on Hopper (auto) when the shape fits,
+    else XLA."""
     o, c = (w.shape[1], w.shape[2]) if layout == "nk" else (w.shape[2], w.shape[1])
     be = backends.resolve_bf16_grouped(backend, o, c)
-    return backends.bf16_grouped_matmul(x, w, gs, backend=be, layout=layout)
+    return backends.bf16_grouped_matmul(x, w, gs, backend=be, layout=layout, out_dtype=out_dtype)
 
 
 def _forward(x, w, gs, fmt, backend, out_dtype):
     e, n, k = w.shape
     if fmt == F.BF16:
-        return _bf16_dot(x, jnp.asarray(w), gs, backend), None
+        return _bf16_dot(x, jnp.asarray(w), gs, backend, out_dtype=out_dtype), None
     if fmt == F.FP8_BLOCK:
         be = backends.resolve(backend, fmt, n, k)
         xq, sa = O.fp8_act(x, be)
@@ -56,7 +57,7 @@ def _forward(x, w, gs, fmt, backend, out_dtype):
                                                      b_scale_op=O.weight_scale_operand(w))
         return y, (xq, sa, wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
-    return _bf16_dot(xd, wd, gs, backend), (xd, wd)
+    return _bf16_dot(xd, wd, gs, backend, out_dtype=out_dtype), (xd, wd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
