@@ -48,9 +48,9 @@
 #                                            # leave shared memory for a second program per SM), batch 64 / 256, caches
 #                                            # 512 / 1k / 4k, against the copy roofline -> $OUT/attention_paged_stages_<card>.json
 #                                            # (results keep one attention_<card>.json: fold its points in, under `calls`)
-#   bash experiments/h200_runs.sh pending    # (< 10 min) what the last build left unmeasured: the converters' GPU bit tests
-#                                            # (the export quantizes fp8-block on the trainer's kernel now), the decode
-#                                            # GEMM suite (grouped default: chains of two); the chains stage next
+#   bash experiments/h200_runs.sh pending    # (~8 min) what the last build left unmeasured: the grouped GEMMs' GPU bit tests,
+#                                            # the decode GEMM suite (default vs the deep ring), profile_kv; then fp8_kv_workload
+#                                            # and ncu_decode
 #   bash experiments/h200_runs.sh pending_decode  # (~6 min) the rollout side at once: the
 #                                            # decode profile at 256 slots (the dense BF16 tilings inside the step), the
 #                                            # paged kernel's pipeline depths (256 rows, 512 / 1k caches), then the rollout workload
@@ -248,12 +248,14 @@ case "${1:-}" in
       (cd "$tree" && PYTHONPATH=src:. timeout 100 $PY experiments/benchmarks/gemm.py --suites decode \
           --out "$OUT/gemm_decode_$name.json" 2>&1 | quiet | tail -12 )
     done ;;
-  pending)  # (~5 min) what this build left unmeasured: the SGLang export on the GPU (fp8-block now made by the trainer's
-            # kernel), the decode GEMM suite with the grouped default's chains of two; then run the chains stage
-    timeout 150 $PY -m pytest -q -m gpu tests/converters/test_gpu_bitwise.py -p no:cacheprovider -rxX --tb=line 2>&1 \
-      | quiet | tee "$OUT/converters_gpu.log" | tail -8
-    timeout 130 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_$(card_name).json" 2>&1 | quiet \
-      | tee "$OUT/gemm_decode.log" | grep -E "^ours|rror" ;;
+  pending)  # (~8 min) what this build left unmeasured: the grouped GEMMs' GPU bit tests (the deep ring, BF16 outputs
+            # stored by the kernel), the decode GEMM suite (default vs DEEP_RING_CONFIG), then where the FP8 KV cache's
+            # decode step goes (profile_kv); next call: the workload (fp8_kv_workload) and ncu_decode
+    timeout 150 $PY -m pytest -q -m gpu tests/pallas_kernels/test_gemm_grouped.py tests/pallas_kernels/test_gemm_grouped_bf16.py \
+      -p no:cacheprovider --tb=short 2>&1 | quiet | tee "$OUT/grouped_gpu_tests.log" | tail -4
+    timeout 150 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_$(card_name).json" 2>&1 | quiet \
+      | tee "$OUT/gemm_decode.log" | grep -E "^ours|rror"
+    bash "$0" profile_kv 200 ;;
   chains)  # (~5 min) promotion chains (a K block promoted under the next one's wgmma) in the FP8 grouped forward and
            # weight gradient: their GPU bit tests, then the grouped forward (chains of 2 / 1) and the wgrad suite
            # (chains 1 / 2 beside transposed_ragged_dot_mgpu, our BF16 wgrad) on the MoE shapes
