@@ -54,8 +54,9 @@ NARROW_CONFIG = GemmConfig(max_concurrent_steps=3, grid_tile_width=16, grid_mino
 # A deeper ring for the decode step, where the kernel waits on bytes in flight (Nsight Compute, H100: every stage in
 # flight, the memory warpgroup waiting for a free buffer as often as the compute warpgroups wait for data;
 # results/ncu_gemm_grouped_fp8_decode_h100.json): five stages of 33 KB beside a staging tile of half the columns
-# (the epilogue stores a tile in two slices), 202 KB against the four stages' 200 KB. Same bits as DEFAULT_CONFIG
-# (test_gemm_grouped); a candidate until `gemm.py --suites decode` times it beside the default.
+# (the epilogue stores a tile in two slices): 202 KB with float32 outputs, 185 KB with BF16 ones (the model's), so
+# a sixth stage fits beside BF16 outputs. Same bits as DEFAULT_CONFIG (test_gemm_grouped); a candidate until
+# `gemm.py --suites decode` times it (and its 6-stage form) beside the default.
 DEEP_RING_CONFIG = GemmConfig(max_concurrent_steps=5, grid_tile_width=16, grid_minor_dim=0, k_blocks_per_step=2,
                               store_slices=2)
 
@@ -128,12 +129,7 @@ def masked_store(out_rows, out_smem, tile_m: int, offset, size, split: str = "ro
 def staging_smem(cfg, dtype):
     """The epilogue's [2, tile_m, tile_n / store_slices] staging tile for `masked_store`: unswizzled, so stores start
     at any row."""
-    return plgpu.SMEM((2, cfg.tile_m, cfg.tile_n // store_slices(cfg)), dtype)
-
-
-def store_slices(cfg) -> int:
-    """GemmConfig.store_slices; 1 for a config without the field (the BF16 kernel's Bf16GroupedConfig)."""
-    return getattr(cfg, "store_slices", 1)
+    return plgpu.SMEM((2, cfg.tile_m, cfg.tile_n // cfg.store_slices), dtype)
 
 
 def walk_tile(items_gmem, index, n_iters: int, cfg):
@@ -172,7 +168,7 @@ def grouped_ring(items_gmem, o_gmem, out_smem, empty, *, cfg, cta_m: int, cta_n:
         def _tiles(info, carry):
             g, blk, ni, offset, size = walk_tile(items_gmem, info.index[0], n_iters, cfg)
             store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)], out_smem, cfg.tile_m,
-                                 offset, size, split, store_slices(cfg))
+                                 offset, size, split, cfg.store_slices)
             acc, carry = run_tile(wg, tile_steps(g, size), carry)
 
             @pl.when(size > 0)

@@ -62,13 +62,13 @@ def _forward(x, w, gs, fmt, backend, out_dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _grouped(x, w, gs, fmt, backward, backend, out_dtype):
-    return _forward(x, w, gs, fmt, backend, out_dtype)[0].astype(out_dtype)
+    return _forward(x, w, gs, fmt, backend, out_dtype)[0]
 
 
 def _grouped_fwd(x, w, gs, fmt, backward, backend, out_dtype):
     y, fwd_ops = _forward(x, w, gs, fmt, backend, out_dtype)
     keep = fwd_ops if (backward == "dequantized" or (backward == "fp8" and fmt == F.FP8_BLOCK)) else None
-    return y.astype(out_dtype), (x, w, gs, keep)
+    return y, (x, w, gs, keep)
 
 
 def _rows_in_groups(a, gs):
