@@ -295,9 +295,14 @@ case "${1:-}" in
       2>&1 | tee "$OUT/decode_gemm_gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
     timeout 300 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_h200.json" 2>&1 | quiet \
       | tee "$OUT/gemm_decode.log" ;;
-  profile_kv) XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-240}" $PY experiments/benchmarks/step_profile.py --programs decode \
-      --recipes fp8_block_kv,fp8_block --layers 4 --slots 256 --prompt-len 1280 --max-len 8192 --top 60 \
-      --out "$OUT/step_profile_decode256_kv_$(card_name).json" 2>&1 | quiet | tail -40 ;;
+  profile_kv)  # the decode step's kernels for fp8_block_kv beside fp8_block, with their optimized HLO (decode_kv_hlo.tgz)
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 \
+      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/decode_kv_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_slots" \
+      timeout "${2:-240}" $PY experiments/benchmarks/step_profile.py --programs decode \
+      --recipes fp8_block_kv,fp8_block --layers 4 --slots 256 --prompt-len 1280 --max-len 8192 --top 80 \
+      --hlo-dump /tmp/decode_kv_hlo --out "$OUT/step_profile_decode256_kv_$(card_name).json" 2>&1 | quiet | tail -40
+    mkdir -p /tmp/decode_kv_hlo_kept && cp /tmp/decode_kv_hlo/*decode_slots*after_optimizations.txt /tmp/decode_kv_hlo_kept/ 2>/dev/null
+    tar czf "$OUT/decode_kv_hlo.tgz" -C /tmp decode_kv_hlo_kept ;;
   ncu_decode)
     for spec in "attention_paged_fp8|experiments/benchmarks/attention.py --skip train --decode-batches 256 --decode-lengths 4096 --fp8-kv --out /tmp/ncu_attention.json" \
                 "gemm_grouped_fp8|experiments/benchmarks/gemm.py --suites decode --out /tmp/ncu_gemm.json"; do
