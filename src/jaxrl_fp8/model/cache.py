@@ -145,12 +145,8 @@ class PagedKVCache:
         ks, vs = list(self.k_scales), list(self.v_scales)
         k[layer] = k[layer].at[page, offset].set(k_new.values, mode="drop")
         v[layer] = v[layer].at[page, offset].set(v_new.values, mode="drop")
-        # one index per (page, head, offset) element: a scatter whose indexed dims are the operand's dims in order.
-        # `.at[page, :, offset]` indexes dims (0, 2) around a window, a form XLA:GPU's ScatterSimplifier rewrites with
-        # a transpose of the whole [P, Hkv, page] scale pool before the write and one back after it.
-        heads = jnp.arange(ks[layer].shape[1])
-        ks[layer] = ks[layer].at[page[..., None], heads, offset[..., None]].set(k_new.scales, mode="drop")
-        vs[layer] = vs[layer].at[page[..., None], heads, offset[..., None]].set(v_new.scales, mode="drop")
+        ks[layer] = ks[layer].at[page, :, offset].set(k_new.scales, mode="drop")
+        vs[layer] = vs[layer].at[page, :, offset].set(v_new.scales, mode="drop")
         return dataclasses.replace(self, k=tuple(k), v=tuple(v), k_scales=tuple(ks), v_scales=tuple(vs))
 
     def map_pages(self, fn) -> "PagedKVCache":
