@@ -40,7 +40,7 @@
 #   bash experiments/h200_runs.sh kernels_vs_base  # decode attention + decode GEMMs of this tree vs a carried .base (below)
 #   bash experiments/h200_runs.sh flash_dq   # the dq kernel's 64- vs 128-key steps, fwd+bwd TFLOP/s beside cuDNN
 #   bash experiments/h200_runs.sh fp8_kv     # (~4 min) the FP8 KV cache: paged kernel GPU bit tests + decode step vs BF16 pages
-#   bash experiments/h200_runs.sh fp8_kv_workload [TIMEOUT] [RECIPES]  # (~7 min) the rollout workload, bf16 / fp8_block_kv / fp8_block
+#   bash experiments/h200_runs.sh fp8_kv_workload [TIMEOUT] [RECIPES] [PASSES]  # (~7 min) the rollout workload, bf16 / fp8_block_kv / fp8_block
 #   bash experiments/h200_runs.sh dense_decode  # (~3 min) the FP8 dense kernel on the attention projections at decode
 #                                            # rows (64 / 256): 64- and 32-wide column tiles, 4-8 stages, bits against the
 #                                            # default -> $OUT/gemm_dense_decode_<card>.json
@@ -48,9 +48,8 @@
 #                                            # leave shared memory for a second program per SM), batch 64 / 256, caches
 #                                            # 512 / 1k / 4k, against the copy roofline -> $OUT/attention_paged_stages_<card>.json
 #                                            # (results keep one attention_<card>.json: fold its points in, under `calls`)
-#   bash experiments/h200_runs.sh pending    # (~8 min) what the last build left unmeasured: the grouped GEMMs' GPU bit tests,
-#                                            # the decode GEMM suite (default vs the deep ring), profile_kv; then fp8_kv_workload
-#                                            # and ncu_decode
+#   bash experiments/h200_runs.sh pending    # (~8 min) what the last build left unmeasured: the rollout workload, three
+#                                            # recipes, two passes (fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2)
 #   bash experiments/h200_runs.sh pending_decode  # (~6 min) the rollout side at once: the
 #                                            # decode profile at 256 slots (the dense BF16 tilings inside the step), the
 #                                            # paged kernel's pipeline depths (256 rows, 512 / 1k caches), then the rollout workload
@@ -248,14 +247,9 @@ case "${1:-}" in
       (cd "$tree" && PYTHONPATH=src:. timeout 100 $PY experiments/benchmarks/gemm.py --suites decode \
           --out "$OUT/gemm_decode_$name.json" 2>&1 | quiet | tail -12 )
     done ;;
-  pending)  # (~8 min) what this build left unmeasured: the grouped GEMMs' GPU bit tests (the deep ring, BF16 outputs
-            # stored by the kernel), the decode GEMM suite (default vs DEEP_RING_CONFIG), then where the FP8 KV cache's
-            # decode step goes (profile_kv); next call: the workload (fp8_kv_workload) and ncu_decode
-    timeout 150 $PY -m pytest -q -m gpu tests/pallas_kernels/test_gemm_grouped.py tests/pallas_kernels/test_gemm_grouped_bf16.py \
-      -p no:cacheprovider --tb=short 2>&1 | quiet | tee "$OUT/grouped_gpu_tests.log" | tail -4
-    timeout 150 $PY experiments/benchmarks/gemm.py --suites decode --out "$OUT/gemm_decode_$(card_name).json" 2>&1 | quiet \
-      | tee "$OUT/gemm_decode.log" | grep -E "^ours|rror"
-    bash "$0" profile_kv 200 ;;
+  pending)  # (~8 min) what this build left unmeasured: the rollout workload on it (grouped GEMMs storing BF16, the
+            # RMSNorm without its barrier), three recipes, steady figures from a second pass on compiled programs
+    bash "$0" fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2 ;;
   chains)  # (~5 min) promotion chains (a K block promoted under the next one's wgmma) in the FP8 grouped forward and
            # weight gradient: their GPU bit tests, then the grouped forward (chains of 2 / 1) and the wgrad suite
            # (chains 1 / 2 beside transposed_ragged_dot_mgpu, our BF16 wgrad) on the MoE shapes
@@ -286,7 +280,8 @@ case "${1:-}" in
   fp8_kv_workload)  # (~7 min) the rollout workload with bf16, fp8_block and fp8_block_kv (continuous; decode step also at
     # 1280-token prompts) -> $OUT/rollout_workload_<card>.json (fp8_kv_over_bf16 beside fp8_over_bf16)
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-540}" $PY experiments/benchmarks/rollout_workload.py \
-      --recipes "${3:-bf16,fp8_block_kv,fp8_block}" --schedulers continuous --step-prompt-lens 1280 \
+      --recipes "${3:-bf16,fp8_block_kv,fp8_block}" --schedulers continuous --passes "${4:-1}" \
+      $([ "${4:-1}" = 1 ] && echo --step-prompt-lens 1280) \
       --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -12 ;;
   paged_stages) timeout 300 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
       --decode-lengths 512,1024,4096 --paged-stages 1,2 --out "$OUT/attention_paged_stages_$(card_name).json" 2>&1 | quiet \

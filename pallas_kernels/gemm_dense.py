@@ -55,10 +55,6 @@ class GemmConfig:
     # choice changes no bits; "cols" halves the rows a CTA multiplies, which is what a narrow row block wastes
     # (MoE decode: a few rows per expert, the rest of a 128-row block belongs to other experts)
     split: str = "rows"
-    # grouped kernels: the epilogue stages and stores a warpgroup's tile in this many column slices, one at a time,
-    # so the staging tile is 1 / store_slices of it and leaves shared memory for deeper TMA rings (same values
-    # stored, so the same bits)
-    store_slices: int = 1
 
     @property
     def cta_m(self) -> int:
@@ -73,11 +69,6 @@ class GemmConfig:
         and K need not be a multiple of it."""
         if self.split not in ("rows", "cols"):
             raise ValueError(f"{where}: split must be 'rows' or 'cols'; got {self.split!r}")
-        if self.store_slices not in (1, 2, 4) or self.tile_n % (64 * self.store_slices):
-            raise ValueError(f"{where}: store_slices must be 1, 2 or 4 with tile_n / store_slices a multiple of 64; "
-                             f"got {self.store_slices} for tile_n {self.tile_n}")
-        if self.store_slices != 1 and not ring:
-            raise ValueError(f"{where}: store_slices applies to the grouped kernels' epilogue only; got {self.store_slices}")
         if ring:
             from pallas_kernels.tma_ring import CHAIN_LENGTHS
 

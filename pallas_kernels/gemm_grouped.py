@@ -51,14 +51,6 @@ DEFAULT_CONFIG = GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_min
 # weight bytes. Three stages: 40 KB each (A 64 x 128 + B 256 x 128 e4m3) beside the float32 staging tile (64 KB).
 # Same bits as DEFAULT_CONFIG (test_gemm_grouped); not yet measured on the H200 (`gemm.py --suites decode`).
 NARROW_CONFIG = GemmConfig(max_concurrent_steps=3, grid_tile_width=16, grid_minor_dim=0, split="cols")
-# A deeper ring for the decode step, where the kernel waits on bytes in flight (Nsight Compute, H100: every stage in
-# flight, the memory warpgroup waiting for a free buffer as often as the compute warpgroups wait for data;
-# results/ncu_gemm_grouped_fp8_decode_h100.json): five stages of 33 KB beside a staging tile of half the columns
-# (the epilogue stores a tile in two slices): 202 KB with float32 outputs, 185 KB with BF16 ones (the model's), so
-# a sixth stage fits beside BF16 outputs. Same bits as DEFAULT_CONFIG (test_gemm_grouped); a candidate until
-# `gemm.py --suites decode` times it (and its 6-stage form) beside the default.
-DEEP_RING_CONFIG = GemmConfig(max_concurrent_steps=5, grid_tile_width=16, grid_minor_dim=0, k_blocks_per_step=2,
-                              store_slices=2)
 
 
 def work_items(group_sizes, m: int, tile: int):
@@ -91,45 +83,38 @@ def work_items(group_sizes, m: int, tile: int):
     return jnp.stack([group, jnp.where(used, block, 0), lo - block * tile, size])
 
 
-def masked_store(out_rows, out_smem, tile_m: int, offset, size, split: str = "rows", slices: int = 1):
+def masked_store(out_rows, out_smem, tile_m: int, offset, size, split: str = "rows"):
     """Epilogue storing only rows [offset, offset + size) of a CTA's row block (power-of-two TMA stores).
 
     split "rows": the block is 2*tile_m rows, warpgroup w holds rows w*tile_m...; "cols": it is tile_m rows and
-    warpgroup w holds its columns w*tile_n... (out_rows is then tile_m x 2*tile_n). slices: the warpgroup's tile
-    goes through the [2, tile_m, tile_n / slices] staging tile in that many column slices, each after the last
-    slice's stores have read it (`GemmConfig.store_slices`)."""
-    width = out_smem.shape[-1]
-    tile_n = width * slices
+    warpgroup w holds its columns w*tile_n... (out_rows is then tile_m x 2*tile_n)."""
+    tile_n = out_smem.shape[-1]
 
     def store(acc, wg):
         base = wg * tile_m if split == "rows" else 0
         dst = out_rows if split == "rows" else out_rows.at[:, pl.ds(wg * tile_n, tile_n)]
         lo = jnp.clip(offset - base, 0, tile_m)
         hi = jnp.clip(offset + size - base, 0, tile_m)
-        for c in range(slices):
-            part = acc if slices == 1 else acc[:, c * width:(c + 1) * width]
-            cols = dst if slices == 1 else dst.at[:, pl.ds(c * width, width)]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out_smem[wg] = part.astype(out_smem.dtype)
-            plgpu.commit_smem()
-            count, start = hi - lo, lo
-            rows = tile_m
-            while rows >= 1:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem[wg] = acc.astype(out_smem.dtype)
+        plgpu.commit_smem()
+        count, start = hi - lo, lo
+        rows = tile_m
+        while rows >= 1:
 
-                @pl.when((count & rows) != 0)
-                def _(rows=rows, start=start, cols=cols):
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg, pl.ds(start, rows)], cols.at[pl.ds(base + start, rows)])
+            @pl.when((count & rows) != 0)
+            def _(rows=rows, start=start):
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, pl.ds(start, rows)], dst.at[pl.ds(base + start, rows)])
 
-                start = start + (count & rows)
-                rows //= 2
+            start = start + (count & rows)
+            rows //= 2
 
     return store
 
 
 def staging_smem(cfg, dtype):
-    """The epilogue's [2, tile_m, tile_n / store_slices] staging tile for `masked_store`: unswizzled, so stores start
-    at any row."""
-    return plgpu.SMEM((2, cfg.tile_m, cfg.tile_n // cfg.store_slices), dtype)
+    """The epilogue's [2, tile_m, tile_n] staging tile for `masked_store`: unswizzled, so stores start at any row."""
+    return plgpu.SMEM((2, cfg.tile_m, cfg.tile_n), dtype)
 
 
 def walk_tile(items_gmem, index, n_iters: int, cfg):
@@ -168,7 +153,7 @@ def grouped_ring(items_gmem, o_gmem, out_smem, empty, *, cfg, cta_m: int, cta_n:
         def _tiles(info, carry):
             g, blk, ni, offset, size = walk_tile(items_gmem, info.index[0], n_iters, cfg)
             store = masked_store(o_gmem.at[pl.ds(blk * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)], out_smem, cfg.tile_m,
-                                 offset, size, split, cfg.store_slices)
+                                 offset, size, split)
             acc, carry = run_tile(wg, tile_steps(g, size), carry)
 
             @pl.when(size > 0)

@@ -44,7 +44,6 @@ class Bf16GroupedConfig:
     max_concurrent_steps: int = 4
     grid_tile_width: int = 16
     grid_minor_dim: int = 0
-    store_slices: int = 1  # the epilogue's column slices (GemmConfig.store_slices; grouped_ring reads it)
 
 
 def default_config(groups: int, rows: int) -> Bf16GroupedConfig:
