@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrl_fp8.model import numerics
+from jaxrl_fp8.precision.arith import ieee_div
 
 
 def _tree_by_autodiff(x, axis, keepdims):
@@ -62,3 +63,27 @@ def test_long_tree_cut_into_kernels_keeps_every_add(monkeypatch):
     uncut = np.asarray(jax.jit(numerics.row_sum)(x))
     np.testing.assert_array_equal(cut.view(np.uint32), uncut.view(np.uint32))
     np.testing.assert_allclose(cut, np.asarray(x, np.float64).sum(-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("width", [128, 2048, 96])
+def test_rms_norm_equals_the_form_with_every_product_rounded(width):
+    """Power-of-two widths skip the barrier after the multiply by 1/H (exact, so an FMA with + eps rounds the same);
+    the norm must equal the form that rounds that product first, on ordinary, tiny (sums of squares far below
+    float32's normal range) and huge rows, for float32 and BF16 inputs, jitted as the model runs it."""
+    rng = np.random.default_rng(width)
+    rows = [rng.normal(size=width), rng.normal(size=width) * 1e-25, rng.normal(size=width) * 1e18,
+            np.where(rng.random(width) < 0.9, 0.0, rng.normal(size=width) * 1e-30)]
+    x = jnp.asarray(np.stack(rows), jnp.float32)
+    scale = jnp.asarray(rng.normal(size=width), jnp.float32)
+
+    def barrier_form(x, scale, eps):
+        xf = x.astype(jnp.float32)
+        var = numerics.rounded_product(numerics.row_sum(xf * xf, keepdims=True), jnp.float32(1.0 / width))
+        inv = ieee_div(jnp.float32(1.0), jnp.sqrt(var + jnp.float32(eps)))
+        return scale.astype(x.dtype) * (xf * inv).astype(x.dtype)
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xd, sd = x.astype(dtype), scale.astype(dtype)
+        got = jax.jit(numerics.rms_norm, static_argnums=2)(xd, sd, 1e-6)
+        want = jax.jit(barrier_form, static_argnums=2)(xd, sd, 1e-6)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
