@@ -1,4 +1,5 @@
-"""model.numerics: the row-invariant sum's closed-form gradient equals autodiff of its tree, bit for bit."""
+"""model.numerics: the row-invariant sum's closed-form gradient equals autodiff of its tree, bit for bit; the
+RMSNorm keeps its roundings."""
 
 from __future__ import annotations
 
