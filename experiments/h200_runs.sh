@@ -73,9 +73,9 @@
 #                                            # (the expert GEMMs of a decode step at 64 / 256 rows: default vs narrow split vs
 #                                            # our BF16 kernel, weight bytes against the copy bandwidth) -> $OUT/gemm_decode_h200.json
 #   bash experiments/h200_runs.sh profile_kv  # (~3 min) where the FP8 KV cache's decode step goes: step_profile.py's decode
-#                                            # program, fp8_block_kv beside fp8_block, 4 layers, 256 slots, 1280-token prompts (the
-#                                            # workload measured fp8_block_kv's step slower there, 3.42 vs 3.32 ms, although its
-#                                            # paged kernel alone is faster) -> $OUT/step_profile_decode256_kv_<card>.json
+#                                            # program, fp8_block_kv beside fp8_block, 4 layers, 256 slots, 1280-token prompts, with
+#                                            # the step's optimized HLO -> $OUT/step_profile_decode256_kv_<card>.json (results keep
+#                                            # one step_profile_decode256_<card>.json: fold it in under `calls`)
 #   bash experiments/h200_runs.sh ncu_decode  # (~4 min) Nsight Compute of the decode step's two FP8 kernels: the paged FP8
 #                                            # attention (256 rows x 4k caches) and the grouped FP8 expert GEMM (gemm.py --suites
 #                                            # decode): $OUT/ncu_<kernel>.txt (speed of light, memory, warp states) and where warps
