@@ -91,7 +91,9 @@
 #                                            # micro-batches of 4, logit chunks of 2048), bf16 + fp8_block, its optimized
 #                                            # HLO beside it; every top kernel named by the source lines it computes
 #                                            # (--hlo-dump) -> $OUT/step_profile_update_accum_<card>.json,
-#                                            # $OUT/update_hlo.tgz (carry .whl/)
+#                                            # $OUT/update_hlo.tgz (carry .whl/); UPDATE_MICRO_BATCH=8 sets the
+#                                            # micro-batch (-> step_profile_update_mb8_<card>.json)
+#   bash experiments/h200_runs.sh update_mb  # (~4 min) profile_accum at micro-batches of 8 and of 16 rows
 # decode, rollout_workload, mismatch and profile write their JSON after every point / size, so a stage cut short keeps
 # what it measured.
 # The GPU image lacks ml_collections, grain (+ array_record, portpicker) and tensorboardX: download their wheels into
@@ -227,8 +229,9 @@ case "${1:-}" in
     XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/update_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=_update" \
       timeout "${2:-400}" $PY experiments/benchmarks/step_profile.py --programs update --recipes bf16,fp8_block \
-      --layers "${PROFILE_LAYERS:-$([ "$(card_name)" = h200 ] && echo 4 || echo 3)}" --update-rows 16 --update-micro-batch 4 --update-logit-chunk 2048 --top 120 --hlo-dump /tmp/update_hlo \
-      --out "$OUT/step_profile_update_accum_$(card_name).json" \
+      --layers "${PROFILE_LAYERS:-$([ "$(card_name)" = h200 ] && echo 4 || echo 3)}" --update-rows 16 \
+      --update-micro-batch "${UPDATE_MICRO_BATCH:-4}" --update-logit-chunk 2048 --top 120 --hlo-dump /tmp/update_hlo \
+      --out "$OUT/step_profile_update_$([ -n "${UPDATE_MICRO_BATCH:-}" ] && echo "mb$UPDATE_MICRO_BATCH" || echo accum)_$(card_name).json" \
       2>&1 | quiet | tee "$OUT/step_profile_update_accum.log"
     mkdir -p /tmp/update_hlo_kept && cp /tmp/update_hlo/*_update*after_optimizations.txt /tmp/update_hlo_kept/ 2>/dev/null
     tar czf "$OUT/update_hlo.tgz" -C /tmp update_hlo_kept ;;
@@ -247,6 +250,9 @@ case "${1:-}" in
       (cd "$tree" && PYTHONPATH=src:. timeout 100 $PY experiments/benchmarks/gemm.py --suites decode \
           --out "$OUT/gemm_decode_$name.json" 2>&1 | quiet | tail -12 )
     done ;;
+  update_mb)  # (~4 min) the accumulated update at micro-batches of 8 and 16 rows (of 16): does the FP8 update's lead
+              # over BF16 grow with the experts' rows per GEMM? -> $OUT/step_profile_update_mb{8,16}_<card>.json
+    for mb in 8 16; do UPDATE_MICRO_BATCH=$mb bash "$0" profile_accum 200; done ;;
   pending)  # (~8 min) what this build left unmeasured: the rollout workload on it (grouped GEMMs storing BF16, the
             # RMSNorm without its barrier), three recipes, steady figures from a second pass on compiled programs
     bash "$0" fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2 ;;
