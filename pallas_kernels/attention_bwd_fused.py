@@ -80,11 +80,17 @@ def schedule(batch: int, kv_heads: int, key_tiles: int, q_blocks: int, group: in
     return items, counts, rank
 
 
-def _dq_slot(dq_ref, wg, bi, qb, h):
-    return dq_ref.at[wg, bi, pl.ds(qb * BWD_BLOCK, BWD_BLOCK), h]
+def _dq_slot(dq_ref, wg, bi, qb, h, split_cols: bool):
+    """Where a warpgroup's dq part goes: its half of the columns of [B, T, H, D] (split_cols), else its own
+    accumulator of [2, B, T, H, D]."""
+    block = pl.ds(qb * BWD_BLOCK, BWD_BLOCK)
+    if split_cols:
+        half = dq_ref.shape[-1] // 2
+        return dq_ref.at[bi, block, h, pl.ds(pl.multiple_of(wg * half, half), half)]
+    return dq_ref.at[wg, bi, block, h]
 
 
-def _fused(q, k, v, starts, do, lse2, delta, items, counts, rank, *, scale, stages, num_sms, interpret):
+def _fused(q, k, v, starts, do, lse2, delta, items, counts, rank, *, scale, stages, num_sms, split_cols, interpret):
     b, t, h, d = q.shape
     hkv = k.shape[2]
     group = h // hkv
@@ -101,11 +107,14 @@ def _fused(q, k, v, starts, do, lse2, delta, items, counts, rank, *, scale, stag
         plgpu.SMEM((stages, rows, d), dtype, transforms=transforms),  # q ring
         plgpu.SMEM((stages, rows, d), dtype, transforms=transforms),  # do ring
         plgpu.SMEM((stages, rows), F32), plgpu.SMEM((stages, rows), F32), plgpu.SMEM((stages, rows), jnp.int32),
-        plgpu.SMEM((2, rows, rows), dtype, transforms=transforms),  # ds^T of each warpgroup (A of dk and dq)
-        plgpu.SMEM((2, rows, d), F32, transforms=f32_transforms),  # each warpgroup's dq part on its way to GMEM
+        # ds^T of each warpgroup (A of dk and dq); split_cols: of both steps in flight (the other warpgroup reads it)
+        plgpu.SMEM((2, 2, rows, rows) if split_cols else (2, rows, rows), dtype, transforms=transforms),
+        # each warpgroup's dq part on its way to GMEM (split_cols: its half of the columns)
+        plgpu.SMEM((2, rows, d // 2 if split_cols else d), F32, transforms=f32_transforms),
         plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_arrivals=LOADS_PER_STEP, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=3),  # split_cols: both ds written (per step parity), item done
     ]
     if interpret:
         allocations.append(a_staging((2, rows, rows), dtype, interpret))
@@ -122,7 +131,7 @@ def _fused(q, k, v, starts, do, lse2, delta, items, counts, rank, *, scale, stag
 
     def scoped(q_ref, k_ref, v_ref, start_ref, do_ref, lse_ref, delta_ref, items_ref, counts_ref, rank_ref,
                dk_ref, dv_ref, dq_ref, k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, start_ring, ds_smem2,
-               dq_smem2, k_bar, v_bar, acc_bar, full, empty, *staging):
+               dq_smem2, k_bar, v_bar, acc_bar, full, empty, pair, *staging):
         sems = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((2 * b * h * q_blocks,)))
         sm = lax.axis_index("sm")
         n_items = counts_ref[sm]
@@ -164,7 +173,7 @@ def _fused(q, k, v, starts, do, lse2, delta, items, counts, rank, *, scale, stag
             """Add this warpgroup's dq part of query block qb in its rank order; returns the semaphore to signal
             once the add has completed (signalled before this warpgroup's next wait: no cycle of waits)."""
             dq_smem = dq_smem2.at[wg]
-            dst = _dq_slot(dq_ref, wg, bi, qb, hi)
+            dst = _dq_slot(dq_ref, wg, bi, qb, hi, split_cols)
             r = rank_ref[item, qb]
             plgpu.wait_smem_to_gmem(0)  # the previous add has completed (and read dq_smem)
             if interpret:  # one CTA walks the items in rank order: load, add, store
@@ -190,7 +199,25 @@ def _fused(q, k, v, starts, do, lse2, delta, items, counts, rank, *, scale, stag
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
-            k_smem, v_smem, ds_smem = k_smem2.at[wg], v_smem2.at[wg], ds_smem2.at[wg]
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            ds_smem = None if split_cols else ds_smem2.at[wg]
+
+            def both_halves_part(parity):
+                """split_cols: this warpgroup's columns of ds^T . k over the tile's 128 keys (both warpgroups' ds and
+                k, once both have written their ds of the step; the parity's buffers are not rewritten before the
+                other warpgroup has passed the next step's meeting), one accumulator."""
+                plgpu.barrier_arrive(pair.at[parity])
+                plgpu.barrier_wait(pair.at[parity])
+                half = d // 2
+                cols = pl.ds(pl.multiple_of(wg * half, half), half)
+
+                def run(acc):
+                    for w in range(2):
+                        plgpu.wgmma(acc, ds_smem2.at[parity, w].transpose((1, 0)), k_smem2.at[w, :, cols])
+                    plgpu.wgmma_wait(0)
+                    return acc[...]
+
+                return pl.run_scoped(run, plgpu.ACC((rows, half), F32))
             col = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)  # noqa: E731
             shape = (rows, rows)  # rows: this warpgroup's keys; columns: the step's queries
 
@@ -231,16 +258,23 @@ def _fused(q, k, v, starts, do, lse2, delta, items, counts, rank, *, scale, stag
                     dv = dv + wgmma_fresh(p_op, do_smem, (rows, d))
                     dp_t = wgmma_fresh(v_smem, do_smem.transpose((1, 0)), shape)
                     ds_t = p_t * (dp_t - lax.broadcast_in_dim(col(delta_smem), shape, [1]))
-                    ds_smem[...] = ds_t.astype(dtype)
+                    mine = ds_smem2.at[lax.rem(it, 2), wg] if split_cols else ds_smem
+                    mine[...] = ds_t.astype(dtype)
                     plgpu.commit_smem()
-                    dk = dk + wgmma_fresh(ds_smem, q_smem, (rows, d))
+                    dk = dk + wgmma_fresh(mine, q_smem, (rows, d))
                     plgpu.barrier_arrive(empty.at[s])  # q / do of the slot are read (k, v, ds are ours)
-                    part = wgmma_fresh(ds_smem.transpose((1, 0)), k_smem, (rows, d))
+                    if split_cols:
+                        part = both_halves_part(lax.rem(it, 2))
+                    else:
+                        part = wgmma_fresh(ds_smem.transpose((1, 0)), k_smem, (rows, d))
                     prev = add_part(part, item, bi, hi, qb, prev)
                     return it + 1, prev, dk, dv
 
                 zeros = plgpu.layout_cast(jnp.full((rows, d), 0.0, F32), plgpu.Layout.WGMMA)
                 it, prev, dk, dv = lax.fori_loop(0, group * (q_blocks - 2 * kt), step, (it, prev, zeros, zeros))
+                if split_cols:  # the other warpgroup has read this one's k (its last dq part) before dk lands there
+                    plgpu.barrier_arrive(pair.at[2])
+                    plgpu.barrier_wait(pair.at[2])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 k_smem[...] = (dk * scale).astype(dtype)  # k and v are no longer read: their buffers stage dk, dv
                 v_smem[...] = dv.astype(dtype)
@@ -257,7 +291,7 @@ def _fused(q, k, v, starts, do, lse2, delta, items, counts, rank, *, scale, stag
                     pl.semaphore_signal(sems.at[prev])
 
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-    out_type = (kv_type, kv_type, jax.ShapeDtypeStruct((2, b, t, h, d), F32))
+    out_type = (kv_type, kv_type, jax.ShapeDtypeStruct((b, t, h, d) if split_cols else (2, b, t, h, d), F32))
 
     def kernel(*refs):
         pl.run_scoped(functools.partial(scoped, *refs), *allocations, collective_axes="wg")
@@ -270,7 +304,7 @@ def _fused(q, k, v, starts, do, lse2, delta, items, counts, rank, *, scale, stag
 
 
 def backward_fused(q, k, v, starts, out, do, lse2, *, scale: float, stages: int, interpret: bool,
-                   num_sms: int | None = None):
+                   num_sms: int | None = None, split_cols: bool = True):
     """(dq, dk, dv) in q's dtype, as `attention_bwd.backward` (same padded shapes); dk, dv have its bits, dq its
     accuracy with the fixed order above. num_sms: CTAs of the persistent grid (default: the device's SMs; 1 in
     interpret mode, whose CTAs run one after another)."""
@@ -280,6 +314,7 @@ def backward_fused(q, k, v, starts, out, do, lse2, *, scale: float, stages: int,
     items, counts, rank = schedule(b, hkv, t // CTA_ROWS, t // BWD_BLOCK, h // hkv, sms)
     delta = jnp.einsum("bthd,bthd->bht", do.astype(F32), out.astype(F32))
     dk, dv, acc = _fused(q, k, v, starts, do, lse2, delta, jnp.asarray(items), jnp.asarray(counts),
-                         jnp.asarray(rank), scale=scale, stages=stages, num_sms=sms, interpret=interpret)
-    dq = ((acc[0] + acc[1]) * scale).astype(q.dtype)
+                         jnp.asarray(rank), scale=scale, stages=stages, num_sms=sms, split_cols=split_cols,
+                         interpret=interpret)
+    dq = ((acc if split_cols else acc[0] + acc[1]) * scale).astype(q.dtype)
     return dq, dk, dv
