@@ -33,7 +33,6 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.attention_bwd import backward
-from pallas_kernels.attention_bwd_fused import backward_fused
 from pallas_kernels.attention_common import BLOCK_KV, BLOCK_Q, F32
 from pallas_kernels.attention_fwd import forward
 from pallas_kernels.attention_paged import paged_rows_attention
@@ -52,7 +51,6 @@ class FlashConfig:
     bwd_stages: int = 2
     paged_stages: int = 3
     bwd_dq_keys: int = 128  # keys per step of the backward's dq kernel (128, or 64: 1-2 % slower on an H100; the gradients' bits depend on it)
-    bwd_fused: bool = False  # dq inside the dk/dv kernel, added across CTAs in a fixed order (attention_bwd_fused)
 
 
 def supports(head_dim: int, dtype) -> str | None:
@@ -135,12 +133,8 @@ def _flash_bwd(scale, config, interpret, res, dout):
     qp, kp, vp, starts, out, lse2 = res
     t = dout.shape[1]
     dop = _pad_rows(dout.astype(qp.dtype), qp.shape[1])
-    if config.bwd_fused:
-        dq, dk, dv = backward_fused(qp, kp, vp, starts, out, dop, lse2, scale=scale, stages=config.bwd_stages,
-                                    interpret=interpret)
-    else:
-        dq, dk, dv = backward(qp, kp, vp, starts, out, dop, lse2, scale=scale, stages=config.bwd_stages,
-                              dq_keys=config.bwd_dq_keys, interpret=interpret)
+    dq, dk, dv = backward(qp, kp, vp, starts, out, dop, lse2, scale=scale, stages=config.bwd_stages,
+                          dq_keys=config.bwd_dq_keys, interpret=interpret)
     return dq[:, :t], dk[:, :t], dv[:, :t], None
 
 

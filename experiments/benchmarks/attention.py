@@ -177,10 +177,6 @@ def main(argv=None):
                    help="also time the decode step over FP8 pages (kv_cache='fp8': e4m3 values and a power-of-two "
                         "scale per token and head, half the bytes, dequantized by a converter warpgroup) and compare its "
                         "bits with the BF16 kernel over the dequantized pages")
-    p.add_argument("--other-backward", action="store_true",
-                   help="also time the backward FlashConfig does not default to (fused: dq added across CTAs in a fixed "
-                        "order, FlashConfig.bwd_fused; or the two-kernel one) as a separate 'flash' row of the training "
-                        "points")
     p.add_argument("--out", default="experiments/benchmarks/results/attention_h200.json", help="JSON path")
     a = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -190,10 +186,6 @@ def main(argv=None):
     for keys in (int(x) for x in a.bwd_dq_keys.split(",") if x and int(x) != A.FlashConfig().bwd_dq_keys):
         cfg = A.FlashConfig(bwd_dq_keys=keys)
         IMPLS[f"flash (ours, dq {keys}-key steps)"] = lambda q, k, v, cfg=cfg: A.flash_attention(q, k, v, scale=D**-0.5, config=cfg)
-    if a.other_backward:
-        cfg = A.FlashConfig(bwd_fused=not A.FlashConfig().bwd_fused)
-        label = "fused backward" if cfg.bwd_fused else "two-kernel backward"
-        IMPLS[f"flash (ours, {label})"] = lambda q, k, v, cfg=cfg: A.flash_attention(q, k, v, scale=D**-0.5, config=cfg)
     if "train" not in skip:
         training_points([int(x) for x in a.lengths.split(",")], a.iters, results, a.out)
     if "decode" not in skip:
