@@ -91,9 +91,10 @@
 #                                            # micro-batches of 4, logit chunks of 2048), bf16 + fp8_block, its optimized
 #                                            # HLO beside it; every top kernel named by the source lines it computes
 #                                            # (--hlo-dump) -> $OUT/step_profile_update_accum_<card>.json,
-#                                            # $OUT/update_hlo.tgz (carry .whl/); UPDATE_MICRO_BATCH=8 sets the
-#                                            # micro-batch (-> step_profile_update_mb8_<card>.json)
-#   bash experiments/h200_runs.sh update_mb  # (~4 min) profile_accum at micro-batches of 8 and of 16 rows
+#                                            # $OUT/update_hlo_accum.tgz (carry .whl/); UPDATE_MICRO_BATCH=8 sets the
+#                                            # micro-batch (-> step_profile_update_mb8_<card>.json, update_hlo_mb8.tgz)
+#   bash experiments/h200_runs.sh update_mb  # (~4 min) profile_accum at micro-batches of 8 and of 16 rows (results keep
+#                                            # one step_profile_update_accum_<card>.json: fold them in under `calls`)
 # decode, rollout_workload, mismatch and profile write their JSON after every point / size, so a stage cut short keeps
 # what it measured.
 # The GPU image lacks ml_collections, grain (+ array_record, portpicker) and tensorboardX: download their wheels into
@@ -226,15 +227,15 @@ case "${1:-}" in
       timeout "${2:-570}" $PY experiments/benchmarks/step_profile.py --out "$OUT/step_profile_h200.json" \
       ${STEP_PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/step_profile.log" ;;
   profile_accum) train_deps || exit 1
+    name=$([ -n "${UPDATE_MICRO_BATCH:-}" ] && echo "mb$UPDATE_MICRO_BATCH" || echo accum)
     XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/update_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=_update" \
       timeout "${2:-400}" $PY experiments/benchmarks/step_profile.py --programs update --recipes bf16,fp8_block \
       --layers "${PROFILE_LAYERS:-$([ "$(card_name)" = h200 ] && echo 4 || echo 3)}" --update-rows 16 \
       --update-micro-batch "${UPDATE_MICRO_BATCH:-4}" --update-logit-chunk 2048 --top 120 --hlo-dump /tmp/update_hlo \
-      --out "$OUT/step_profile_update_$([ -n "${UPDATE_MICRO_BATCH:-}" ] && echo "mb$UPDATE_MICRO_BATCH" || echo accum)_$(card_name).json" \
-      2>&1 | quiet | tee "$OUT/step_profile_update_accum.log"
+      --out "$OUT/step_profile_update_${name}_$(card_name).json" 2>&1 | quiet | tee "$OUT/step_profile_update_$name.log"
     mkdir -p /tmp/update_hlo_kept && cp /tmp/update_hlo/*_update*after_optimizations.txt /tmp/update_hlo_kept/ 2>/dev/null
-    tar czf "$OUT/update_hlo.tgz" -C /tmp update_hlo_kept ;;
+    tar czf "$OUT/update_hlo_$name.tgz" -C /tmp update_hlo_kept && rm -rf /tmp/update_hlo /tmp/update_hlo_kept ;;
   kernels_vs_base)  # (~5 min) a kernel change against the build before it, in the same call: the attention / grouped GEMM
                     # GPU bit tests, then the decode attention points and the decode GEMM suite in .base (carried:
                     # `git archive <commit> src pallas_kernels experiments/benchmarks | tar -x -C .base`) and in this
