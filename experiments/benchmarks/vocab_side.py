@@ -2,14 +2,14 @@
 
 A decode step of 256 rows spends ~0.8 ms of ~4 ms on the vocabulary (H100 profile, results/
 step_profile_decode256_h100.json): the BF16 lm_head product ([rows, 2048] x [151936, 2048]^T, row invariant on our
-grouped BF16 kernel) and the sampler's Gumbel noise over [rows, 151936] (one fused reduce). This script times, at
-decode row counts and in one run:
+grouped BF16 kernel) and the sampler's draw. This script times, at decode row counts and in one run:
 
   * lm_head: our BF16 kernel under the tiling `gemm_grouped_bf16.default_config` picks for the row count against
     the grouped kernels' default tiling (bits compared: a tiling never changes a row's K order), cuBLAS (XLA dot,
     not row invariant) as the anchor, and the weight-read time at the copy bandwidth measured in the same run;
-  * noise: the drawn token argmax(z + gumbel) with the sampler's counter-based bits, its bits alone, jax.random's
-    threefry bits under the same transform (the anchor) and the whole plain sampler;
+  * noise: the sampler's two-level draw (`sampling.draw_token`: a strided chunk by its mass, then a token in it)
+    against one Gumbel-max over the whole vocabulary (argmax(z + gumbel): the anchor, the draw before it), alone and
+    as the whole plain sampler with the drawn token's log-prob;
   * logprob: the log-prob of a drawn token (`token_logprobs`, the trainer's too) with its pairwise normaliser cut
     into kernels as `numerics` cuts it, against the uncut tree XLA fuses on its own (bits compared).
 
@@ -37,17 +37,15 @@ from timing import bench, copy_bandwidth, run_header, write_results  # noqa: E40
 from jaxrl_fp8.model import numerics  # noqa: E402
 from jaxrl_fp8.rollout import sampling  # noqa: E402
 
-U32 = jnp.uint32
 F32 = jnp.float32
 
 
 # --- noise ------------------------------------------------------------------------------------------------------
 
-def threefry_gumbel(keys, vocab):
-    """The anchor: jax.random's threefry bits under the same transform (the sampler's generator until 2026-12-06)."""
-    bits = jax.vmap(lambda k: jax.random.bits(k, (vocab,), U32))(keys)
-    u = sampling.open_uniform(bits)
-    return -jnp.log(-jnp.log(u))
+def one_level_sampler(z, keys):
+    """The anchor: one Gumbel-max over the whole vocabulary (two logs a token), then `token_logprobs`."""
+    tokens = jnp.argmax(z + sampling.gumbel_noise(keys, z.shape[-1]), -1).astype(jnp.int32)
+    return tokens, sampling.token_logprobs(z, tokens)
 
 
 def noise_points(rows_list, vocab, out):
@@ -56,16 +54,16 @@ def noise_points(rows_list, vocab, out):
         z = jax.random.normal(key, (rows, vocab), F32) * 3
         keys = sampling.row_keys(jnp.arange(rows), jnp.full((rows,), 7))
         variants = {
-            "gumbel_noise (counter-based bits)": lambda z, keys: jnp.argmax(z + sampling.gumbel_noise(keys, vocab), -1),
-            "bits only (no logs)": lambda z, keys: jnp.argmax(z + (sampling.noise_bits(keys, vocab) >> 9).astype(F32), -1),
-            "threefry bits + the same logs (anchor)": lambda z, keys: jnp.argmax(z + threefry_gumbel(keys, vocab), -1),
+            "two-level draw (draw_token)": lambda z, keys: sampling.draw_token(z, True, keys)[0],
+            "one-level Gumbel-max (anchor)": lambda z, keys: jnp.argmax(z + sampling.gumbel_noise(keys, vocab), -1),
             "whole plain sampler": lambda z, keys: sampling.sample_with_logprobs(
                 z, 1.0, 0, 1.0, jnp.arange(z.shape[0]), jnp.full((z.shape[0],), 7), plain=True),
+            "whole plain sampler, one-level draw (anchor)": one_level_sampler,
         }
         for name, fn in variants.items():
             t, _ = bench(jax.jit(fn), z, keys)
             out.append({"kind": "noise", "variant": name, "rows": rows, "median_ms": t * 1e3})
-            print(f"noise rows {rows:4d} {name:40s} {t * 1e3:.4f} ms")
+            print(f"noise rows {rows:4d} {name:45s} {t * 1e3:.4f} ms")
 
 
 # --- log-probs ----------------------------------------------------------------------------------------------------

@@ -37,6 +37,30 @@ def test_inverse_permutation():
     np.testing.assert_array_equal(order[inverse], np.arange(N * K))
 
 
+@pytest.mark.parametrize("tokens,k,experts", [(1, 1, 8), (1, 8, 128), (37, 4, 8), (256, 8, 128), (512, 8, 128),
+                                               (300, 8, 4), (64, 2, 128)])
+def test_counting_dispatch_is_the_stable_sort(tokens, k, experts):
+    """Decode-sized batches rank (token, expert) pairs by counting: the same order, inverse and group sizes as the
+    stable argsort, with empty experts, one-pair experts, every pair on one expert; 512 x 8 = 4096 pairs is the
+    largest counted batch."""
+    rng = np.random.default_rng(tokens * k)
+    cases = [rng.integers(0, experts, size=(tokens, k)), np.full((tokens, k), experts - 1)]
+    if tokens * k >= experts:  # some experts empty, some with a single pair
+        skewed = rng.integers(0, 3, size=(tokens, k))
+        skewed[0, 0] = experts - 1
+        cases.append(skewed)
+    for ids in cases:
+        ids = jnp.asarray(ids, jnp.int32)
+        counted = jax.jit(moe.dispatch, static_argnums=1)(ids, experts)
+        assert "= sort[" not in str(jax.make_jaxpr(moe.dispatch, static_argnums=1)(ids, experts))
+        assert "= sort[" in str(jax.make_jaxpr(moe.dispatch, static_argnums=(1, 2))(ids, experts, False))
+        sorted_ = jax.jit(moe.dispatch, static_argnums=(1, 2))(ids, experts, False)
+        assert tokens * k <= moe.COUNTING_DISPATCH_MAX_PAIRS
+        np.testing.assert_array_equal(np.asarray(counted.order), np.argsort(np.asarray(ids).reshape(-1), kind="stable"))
+        for field in ("order", "group_sizes", "token_of_row", "inverse"):
+            np.testing.assert_array_equal(np.asarray(getattr(counted, field)), np.asarray(getattr(sorted_, field)))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_rows_and_combine_keep_the_scatter_formulation_bits(dtype):
     d, x, weights = _case(1, dtype)

@@ -66,6 +66,22 @@ def test_long_tree_cut_into_kernels_keeps_every_add(monkeypatch):
     np.testing.assert_allclose(cut, np.asarray(x, np.float64).sum(-1), rtol=1e-6)
 
 
+@pytest.mark.parametrize("n,levels", [(151936, 7), (20000, 7), (389, 7), (389, 3), (128, 7), (5, 7), (1, 7), (4096, 0)])
+def test_strided_partial_sums_are_the_trees_of_strided_chunks(n, levels):
+    """One tree gives `row_sum`'s bits and, after `levels` levels, partial j = the tree sum of the chunk x[j::C] of
+    the zero-padded row (the pairing of x[:h] + x[h:] keeps a chunk's members together), bit for bit."""
+    x = jnp.exp(jax.random.normal(jax.random.key(n), (3, n), jnp.float32) * 3)
+    total, partials = jax.jit(numerics.strided_partial_sums, static_argnums=1)(x, levels)
+    np.testing.assert_array_equal(_bits(total), _bits(jax.jit(numerics.row_sum)(x)))
+    p = 1 << (n - 1).bit_length()
+    chunks = p >> min(levels, p.bit_length() - 1)
+    assert partials.shape == (3, chunks)
+    padded = jnp.pad(x, ((0, 0), (0, p - n)))
+    for j in sorted({0, min(1, chunks - 1), chunks // 2, chunks - 1}):
+        np.testing.assert_array_equal(_bits(partials[:, j]), _bits(jax.jit(numerics.row_sum)(padded[:, j::chunks])))
+    np.testing.assert_allclose(np.asarray(partials, np.float64).sum(-1), np.asarray(x, np.float64).sum(-1), rtol=1e-5)
+
+
 @pytest.mark.parametrize("width", [128, 2048, 96])
 def test_rms_norm_equals_the_form_with_every_product_rounded(width):
     """Power-of-two widths skip the barrier after the multiply by 1/H (exact, so an FMA with + eps rounds the same);

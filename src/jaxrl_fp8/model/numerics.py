@@ -35,7 +35,8 @@ from jaxrl_fp8.precision.arith import ieee_div
 
 F32 = jnp.float32
 
-__all__ = ["row_sum", "rounded_product", "lanewise", "exp", "silu", "rms_norm", "log_softmax", "softmax"]
+__all__ = ["row_sum", "strided_partial_sums", "rounded_product", "lanewise", "exp", "silu", "rms_norm", "log_softmax",
+           "softmax"]
 
 LANES = 64
 
@@ -110,21 +111,44 @@ LEVELS_PER_KERNEL = 6
 
 
 def _pairwise_tree(x: jax.Array, axis: int, keepdims: bool) -> jax.Array:
-    x = jnp.moveaxis(x, axis, -1)
+    x = _padded_pow2(jnp.moveaxis(x, axis, -1))
+    out = _tree_levels(x, 0, None)[..., 0]
+    return jnp.expand_dims(out, axis) if keepdims else out
+
+
+def _padded_pow2(x: jax.Array) -> jax.Array:
     n = x.shape[-1]
     p = _next_pow2(n)
-    if p != n:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)])
-    split = p >= SPLIT_FROM
-    level = 0
-    while x.shape[-1] > 1:
+    return x if p == n else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)])
+
+
+def _tree_levels(x: jax.Array, level: int, stop: int | None) -> jax.Array:
+    """x [..., 2^k] after the tree's levels `level` + 1 ... `stop` (None: down to one value): each x[:h] + x[h:],
+    with the kernel cuts of a long tree (its length at level 0, `_tree_split`) after the levels that end one."""
+    split = _tree_split(x.shape[-1] << level)
+    while x.shape[-1] > 1 and (stop is None or level < stop):
         h = x.shape[-1] // 2
         x = x[..., :h] + x[..., h:]
         level += 1
         if split and h > 1 and level >= FIRST_LEVELS and (level - FIRST_LEVELS) % LEVELS_PER_KERNEL == 0:
             x = lax.optimization_barrier(x)
-    out = x[..., 0]
-    return jnp.expand_dims(out, axis) if keepdims else out
+    return x
+
+
+def _tree_split(padded_length: int) -> bool:
+    return padded_length >= SPLIT_FROM
+
+
+def strided_partial_sums(x: jax.Array, levels: int = FIRST_LEVELS) -> tuple[jax.Array, jax.Array]:
+    """(`row_sum(x)` with its bits, the tree's partial sums after `levels` levels) over the last axis.
+
+    The partials are float [..., C], C = 2^ceil(log2 n) / 2^levels (levels capped at log2 of that): partial j is
+    the tree's sum of x[..., j + C t] over t (the zero padding included). One tree gives both, so the sampler gets a
+    row's total and the mass of its strided chunks from one pass over the vocabulary. At the default, a long tree's
+    partials are exactly what its first kernel stores."""
+    x = _padded_pow2(x)
+    head = _tree_levels(x, 0, min(levels, x.shape[-1].bit_length() - 1))
+    return _tree_levels(head, x.shape[-1].bit_length() - 1 - (head.shape[-1].bit_length() - 1), None)[..., 0], head
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:

@@ -9,9 +9,9 @@ Conventions (the trainer must use the same ones, see docs/decisions/0008-embedde
   restrict which tokens may be drawn, never the distribution the log-prob is measured under. This is the
   policy the trainer's importance ratio refers to; `token_logprobs` is the one implementation.
 - Randomness: the token drawn for row b at response step t depends only on (its logits, its parameters,
-  `seed_b`, t) — the noise is a counter-based hash of the vocabulary index under `fold_in(key(seed_b), t)` —
-  so a sample does not depend on the batch it ran in. Drawing is Gumbel-max over the kept tokens, which samples
-  exactly the renormalized top-k/top-p distribution.
+  `seed_b`, t) — the noise is a counter-based hash of an index under `fold_in(key(seed_b), t)` — so a sample
+  does not depend on the batch it ran in. Drawing is a two-level Gumbel-max over the kept tokens (`draw_token`),
+  which samples exactly the renormalized top-k/top-p distribution.
 - Every reduction here is exact (max, argmax, sort, integer counts) or row invariant (`numerics`' pairwise
   sums and a fixed associative-scan prefix sum), so a row's result never depends on the batch shape.
 """
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrl_fp8.model.numerics import lanewise, log_softmax, pick_logprobs, softmax
+from jaxrl_fp8.model.numerics import exp, lanewise, log_softmax, pick_logprobs, softmax, strided_partial_sums
 from jaxrl_fp8.precision.arith import ieee_div
 
 F32 = jnp.float32
@@ -36,8 +36,11 @@ __all__ = [
     "keep_mask",
     "row_keys",
     "noise_bits",
+    "noise_bits_at",
     "open_uniform",
     "gumbel_noise",
+    "gumbel_noise_at",
+    "draw_token",
     "plain_sampling",
     "sample_with_logprobs",
     "sample_tokens",
@@ -117,14 +120,19 @@ def _fmix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def noise_bits(keys: jax.Array, vocab: int) -> jax.Array:
-    """uint32 [B, vocab]: row b's bits at index i, fmix32(fmix32(i * golden + k0) ^ k1) with (k0, k1) the words of
-    its key. Counter-based (a pure function of the key and the index: no state, any batch), ~14 integer operations
-    an element: threefry's 20 rounds (`jax.random.bits`) made the noise the decode step's largest XLA kernel
-    (H100, 256 rows x 151936: 0.27 ms of a 4 ms step; with these bits 0.14 ms, results/vocab_side_h100.json)."""
+def noise_bits_at(keys: jax.Array, index: jax.Array) -> jax.Array:
+    """uint32 [B, n]: row b's bits at counter index[b, i] (uint32 [B or 1, n]), fmix32(fmix32(index * golden + k0) ^
+    k1) with (k0, k1) the words of its key. Counter-based (a pure function of the key and the index: no state, any
+    batch), ~14 integer operations an element: threefry's 20 rounds (`jax.random.bits`) made the noise over the
+    whole vocabulary the decode step's largest XLA kernel (H100, results/vocab_side_h100.json)."""
     words = jax.random.key_data(keys).reshape(keys.shape[0], -1).astype(jnp.uint32)
-    index = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
+    index = jnp.asarray(index).astype(jnp.uint32)
     return _fmix32(_fmix32(index * jnp.uint32(0x9E3779B9) + words[:, :1]) ^ words[:, 1:2])
+
+
+def noise_bits(keys: jax.Array, vocab: int) -> jax.Array:
+    """uint32 [B, vocab]: `noise_bits_at` the indices 0 .. vocab - 1."""
+    return noise_bits_at(keys, jnp.arange(vocab, dtype=jnp.uint32)[None, :])
 
 
 def open_uniform(bits: jax.Array) -> jax.Array:
@@ -134,15 +142,56 @@ def open_uniform(bits: jax.Array) -> jax.Array:
     return (one_to_two - F32(1.0)) + F32(2.0**-24)
 
 
-def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
-    """float32 [B, vocab] standard Gumbel noise -log(-log u), one independent stream per row key (`noise_bits`).
+def gumbel_noise_at(keys: jax.Array, index: jax.Array) -> jax.Array:
+    """float32 standard Gumbel noise -log(-log u) at counter indices index [B or 1, n] (`noise_bits_at`).
 
     The bits are integer work (batch independent); the two logs run through `numerics.lanewise`,
     because XLA:CPU's scalar remainder loop computes `log` differently from its vector body, which would
     make the noise of a row's last entries depend on the batch size.
     """
-    u = open_uniform(noise_bits(keys, vocab))
+    u = open_uniform(noise_bits_at(keys, index))
     return -lanewise(jnp.log, -lanewise(jnp.log, u))
+
+
+def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
+    """float32 [B, vocab]: `gumbel_noise_at` the indices 0 .. vocab - 1, one independent stream per row key."""
+    return gumbel_noise_at(keys, jnp.arange(vocab, dtype=jnp.uint32)[None, :])
+
+
+def draw_token(z: jax.Array, keep, keys: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token per row drawn with probability softmax(z) renormalized over `keep`, and the row's log-partition
+    pieces: (int32 [B], m float32 [B, 1], total float32 [B]) with log_softmax(z) = z - m - log(total) (the bits of
+    `numerics.log_softmax`, which `token_logprobs` picks from).
+
+    Two-level Gumbel-max. The log-softmax tree's first kernel already sums exp(z - m) into C partial sums of
+    strided chunks (chunk j = tokens j, j + C, j + 2C, ...; C = 2048 at a 151,936 vocabulary, `numerics.
+    strided_partial_sums`). A chunk is drawn by Gumbel-max over the log of its kept mass (noise at counter 2^ceil(log2 V) + j),
+    then a token inside it by Gumbel-max over its kept logits (noise at the token's index). P(token) = P(chunk) x
+    P(token | chunk) = its renormalized probability, as one Gumbel-max over the whole vocabulary gives, but with two
+    logs for 2,048 chunks and 128 chunk members a row instead of for 151,936 tokens: that noise was the decode
+    step's largest XLA kernel (0.15 ms of a 3.75 ms step at 256 rows on an H100, compute bound). The bounded noise
+    (u in [2^-24, 1 - 2^-24]: Gumbel in [-2.8, 16.7]) leaves out a chunk or token ~19.5 nats below the best one, as
+    the one-level draw does; float32 chunk masses round to 2^-24 of themselves.
+    keep: True or bool [B, V]."""
+    b, v = z.shape
+    m = jnp.max(z, axis=-1, keepdims=True)
+    e = exp(z - m)
+    if keep is not True:
+        e = jnp.where(keep, e, F32(0.0))
+    total, chunk_mass = strided_partial_sums(e)
+    chunks = chunk_mass.shape[-1]
+    members = -(-v // chunks)  # a chunk's tokens below v (the rest of it is the tree's zero padding)
+    first_chunk_counter = 1 << (v - 1).bit_length()  # past every token's counter
+    chunk_noise = gumbel_noise_at(keys, jnp.arange(chunks, dtype=jnp.uint32)[None, :] + jnp.uint32(first_chunk_counter))
+    chunk = jnp.argmax(lanewise(jnp.log, chunk_mass) + chunk_noise, axis=-1).astype(jnp.int32)
+    token_of = chunk[:, None] + chunks * jnp.arange(members, dtype=jnp.int32)[None, :]
+    inside = token_of < v
+    token_of = jnp.minimum(token_of, v - 1)
+    zc = jnp.take_along_axis(z, token_of, axis=-1)
+    allowed = inside if keep is True else inside & jnp.take_along_axis(keep, token_of, axis=-1)
+    pick = jnp.argmax(jnp.where(allowed, zc + gumbel_noise_at(keys, token_of), -jnp.inf), axis=-1)
+    token = jnp.take_along_axis(token_of, pick[:, None], axis=-1)[:, 0]
+    return token, m, total
 
 
 def plain_sampling(temperature: float, top_k: int, top_p: float, vocab: int) -> bool:
@@ -175,9 +224,11 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, steps, *, pla
     keys = row_keys(seeds, steps)
 
     def draw(z, keep):
-        drawn = jnp.argmax(jnp.where(keep, z + gumbel_noise(keys, v), -jnp.inf), axis=-1)
+        drawn, m, total = draw_token(z, keep, keys)
         greedy = jnp.argmax(logits, axis=-1)
         tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+        if keep is True:  # the draw's tree is log_softmax's: its total gives token_logprobs' bits, no second pass
+            return tokens, pick_logprobs((z - m) - lanewise(jnp.log, total[:, None]), tokens)
         return tokens, token_logprobs(z, tokens)  # z is tempered already: the host temperature 1 divides nothing
 
     def unit_unfiltered():
