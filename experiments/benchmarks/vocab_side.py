@@ -8,8 +8,9 @@ grouped BF16 kernel) and the sampler's draw. This script times, at decode row co
     the grouped kernels' default tiling (bits compared: a tiling never changes a row's K order), cuBLAS (XLA dot,
     not row invariant) as the anchor, and the weight-read time at the copy bandwidth measured in the same run;
   * noise: the sampler's two-level draw (`sampling.draw_token`: a strided chunk by its mass, then a token in it)
-    against one Gumbel-max over the whole vocabulary (argmax(z + gumbel): the anchor, the draw before it), alone and
-    as the whole plain sampler with the drawn token's log-prob;
+    against one Gumbel-max over the whole vocabulary (argmax(z + gumbel): the anchor, the draw before it; also under
+    jax.random's threefry bits, the generator before the hash), alone and as the whole plain sampler with the drawn
+    token's log-prob;
   * logprob: the log-prob of a drawn token (`token_logprobs`, the trainer's too) with its pairwise normaliser cut
     into kernels as `numerics` cuts it, against the uncut tree XLA fuses on its own (bits compared).
 
@@ -42,6 +43,13 @@ F32 = jnp.float32
 
 # --- noise ------------------------------------------------------------------------------------------------------
 
+def threefry_gumbel(keys, vocab):
+    """jax.random's threefry bits under the same transform (the generator before the counter-based hash)."""
+    bits = jax.vmap(lambda k: jax.random.bits(k, (vocab,), jnp.uint32))(keys)
+    u = sampling.open_uniform(bits)
+    return -jnp.log(-jnp.log(u))
+
+
 def one_level_sampler(z, keys):
     """The anchor: one Gumbel-max over the whole vocabulary (two logs a token), then `token_logprobs`."""
     tokens = jnp.argmax(z + sampling.gumbel_noise(keys, z.shape[-1]), -1).astype(jnp.int32)
@@ -59,6 +67,8 @@ def noise_points(rows_list, vocab, out):
             "whole plain sampler": lambda z, keys: sampling.sample_with_logprobs(
                 z, 1.0, 0, 1.0, jnp.arange(z.shape[0]), jnp.full((z.shape[0],), 7), plain=True),
             "whole plain sampler, one-level draw (anchor)": one_level_sampler,
+            "one-level Gumbel-max, threefry bits (anchor)":
+                lambda z, keys: jnp.argmax(z + threefry_gumbel(keys, vocab), -1),
         }
         for name, fn in variants.items():
             t, _ = bench(jax.jit(fn), z, keys)

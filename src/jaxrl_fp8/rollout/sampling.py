@@ -164,14 +164,14 @@ def draw_token(z: jax.Array, keep, keys: jax.Array) -> tuple[jax.Array, jax.Arra
     `numerics.log_softmax`, which `token_logprobs` picks from).
 
     Two-level Gumbel-max. The log-softmax tree's first kernel already sums exp(z - m) into C partial sums of
-    strided chunks (chunk j = tokens j, j + C, j + 2C, ...; C = 2048 at a 151,936 vocabulary, `numerics.
-    strided_partial_sums`). A chunk is drawn by Gumbel-max over the log of its kept mass (noise at counter 2^ceil(log2 V) + j),
-    then a token inside it by Gumbel-max over its kept logits (noise at the token's index). P(token) = P(chunk) x
-    P(token | chunk) = its renormalized probability, as one Gumbel-max over the whole vocabulary gives, but with two
-    logs for 2,048 chunks and 128 chunk members a row instead of for 151,936 tokens: that noise was the decode
-    step's largest XLA kernel (0.15 ms of a 3.75 ms step at 256 rows on an H100, compute bound). The bounded noise
-    (u in [2^-24, 1 - 2^-24]: Gumbel in [-2.8, 16.7]) leaves out a chunk or token ~19.5 nats below the best one, as
-    the one-level draw does; float32 chunk masses round to 2^-24 of themselves.
+    strided chunks (chunk j = tokens j, j + C, j + 2C, ...; C = 2048 at a 151,936 vocabulary,
+    `numerics.strided_partial_sums`). A chunk is drawn by Gumbel-max over the log of its kept mass (noise at
+    counter 2^ceil(log2 V) + j), then a token inside it by Gumbel-max over its kept logits (noise at the token's
+    index). P(token) = P(chunk) x P(token | chunk) = its renormalized probability, as one Gumbel-max over the whole
+    vocabulary gives, but with two logs for 2,048 chunks and 128 chunk members a row instead of for 151,936 tokens:
+    that noise was the decode step's largest XLA kernel (0.15 ms of a 3.75 ms step at 256 rows on an H100, compute
+    bound). The bounded noise (u in [2^-24, 1 - 2^-24]: Gumbel in [-2.8, 16.7]) leaves out a chunk or token ~19.5
+    nats below the best one, as the one-level draw does; float32 chunk masses round to 2^-24 of themselves.
     keep: True or bool [B, V]."""
     b, v = z.shape
     m = jnp.max(z, axis=-1, keepdims=True)
