@@ -265,8 +265,10 @@ case "${1:-}" in
     cp "experiments/benchmarks/results/vocab_side_$(card_name).json" "$OUT/" 2>/dev/null
     timeout 150 $PY experiments/benchmarks/vocab_side.py --parts noise --rows 64,256 \
       --out "$OUT/vocab_side_$(card_name).json" 2>&1 | quiet | grep -E "^noise|rror"
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-200}" $PY experiments/benchmarks/step_profile.py --programs decode \
-      --recipes bf16,fp8_block --layers 4 --slots 256 --prompt-len 256 --max-len 8192 --top 60 \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 \
+      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/decode4_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_slots" \
+      timeout "${2:-200}" $PY experiments/benchmarks/step_profile.py --programs decode \
+      --recipes bf16,fp8_block --layers 4 --slots 256 --prompt-len 256 --max-len 8192 --top 120 --hlo-dump /tmp/decode4_hlo \
       --out "$OUT/step_profile_decode256_4l_$(card_name).json" 2>&1 | quiet | tail -30 ;;
   pending)  # (~8 min) what this build left unmeasured: the rollout workload on it (grouped GEMMs storing BF16, the
             # RMSNorm without its barrier), three recipes, steady figures from a second pass on compiled programs
