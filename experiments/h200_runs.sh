@@ -260,10 +260,10 @@ case "${1:-}" in
     # numerics and dispatch files whole, the rollout == trainer -m gpu test), the sampler beside the one-level
     # Gumbel-max anchor (vocab_side.py --parts noise, folded into results' vocab_side_<card>.json), then the decode
     # step's kernels (step_profile.py: 4 layers, 256 slots, 256-token prompts, bf16 + fp8_block)
-    timeout 240 $PY -m pytest -q tests/rollout/test_embedded_sampling.py tests/model/test_numerics.py tests/model/test_moe.py \
+    timeout 190 $PY -m pytest -q tests/rollout/test_embedded_sampling.py tests/model/test_numerics.py tests/model/test_moe.py \
       tests/rollout/test_embedded_mismatch_gpu.py -p no:cacheprovider --tb=short 2>&1 | quiet | tee "$OUT/sampler_dispatch_tests.log" | tail -4
     cp "experiments/benchmarks/results/vocab_side_$(card_name).json" "$OUT/" 2>/dev/null
-    timeout 150 $PY experiments/benchmarks/vocab_side.py --parts noise --rows 64,256 \
+    timeout 120 $PY experiments/benchmarks/vocab_side.py --parts noise --rows 64,256 \
       --out "$OUT/vocab_side_$(card_name).json" 2>&1 | quiet | grep -E "^noise|rror"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 \
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/decode4_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_slots" \
