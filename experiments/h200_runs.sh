@@ -50,6 +50,8 @@
 #                                            # (results keep one attention_<card>.json: fold its points in, under `calls`)
 #   bash experiments/h200_runs.sh sampler_dispatch  # (~5 min) the two-level sampler and counted dispatch: GPU tests,
 #                                            # sampler vs the one-level anchor, the decode step profile at 4 layers
+#   bash experiments/h200_runs.sh sampler_workload  # (~9 min) the same changes where the targets are measured: GPU
+#                                            # tests, the sampler at 256 rows, the rollout workload (bf16, fp8_block)
 #   bash experiments/h200_runs.sh pending    # (~8 min) what the last build left unmeasured: the rollout workload, three
 #                                            # recipes, two passes (fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2)
 #   bash experiments/h200_runs.sh pending_decode  # (~6 min) the rollout side at once: the
@@ -270,6 +272,16 @@ case "${1:-}" in
       timeout "${2:-200}" $PY experiments/benchmarks/step_profile.py --programs decode \
       --recipes bf16,fp8_block --layers 4 --slots 256 --prompt-len 256 --max-len 8192 --top 120 --hlo-dump /tmp/decode4_hlo \
       --out "$OUT/step_profile_decode256_4l_$(card_name).json" 2>&1 | quiet | tail -30 ;;
+  sampler_workload)  # (~9 min) the two-level sampler and counted dispatch where the targets are measured: the sampling
+    # tests and the rollout == trainer -m gpu test on the GPU, the sampler beside its one-level anchor at 256 rows,
+    # then the rollout workload (bf16, fp8_block; continuous, one pass; its decode step at 256-token caches)
+    timeout 120 $PY -m pytest -q tests/rollout/test_embedded_sampling.py tests/model/test_moe.py \
+      tests/rollout/test_embedded_mismatch_gpu.py -p no:cacheprovider --tb=short 2>&1 | quiet | tee "$OUT/sampler_tests.log" | tail -4
+    cp "experiments/benchmarks/results/vocab_side_$(card_name).json" "$OUT/" 2>/dev/null
+    timeout 80 $PY experiments/benchmarks/vocab_side.py --parts noise --rows 256 \
+      --out "$OUT/vocab_side_$(card_name).json" 2>&1 | quiet | grep -E "^noise|rror"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-330}" $PY experiments/benchmarks/rollout_workload.py \
+      --recipes bf16,fp8_block --schedulers continuous --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -14 ;;
   pending)  # (~8 min) what this build left unmeasured: the rollout workload on it (grouped GEMMs storing BF16, the
             # RMSNorm without its barrier), three recipes, steady figures from a second pass on compiled programs
     bash "$0" fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2 ;;
