@@ -48,10 +48,9 @@
 #                                            # leave shared memory for a second program per SM), batch 64 / 256, caches
 #                                            # 512 / 1k / 4k, against the copy roofline -> $OUT/attention_paged_stages_<card>.json
 #                                            # (results keep one attention_<card>.json: fold its points in, under `calls`)
-#   bash experiments/h200_runs.sh sampler_dispatch  # (~5 min) the two-level sampler and counted dispatch: GPU tests,
-#                                            # sampler vs the one-level anchor, the decode step profile at 4 layers
-#   bash experiments/h200_runs.sh sampler_workload  # (~9 min) the same changes where the targets are measured: GPU
-#                                            # tests, the sampler at 256 rows, the rollout workload (bf16, fp8_block)
+#   bash experiments/h200_runs.sh sampler_workload  # (~7 min) the two-level sampler and the counted MoE dispatch: their
+#                                            # GPU tests, the sampler beside its one-level anchor at 256 rows, the rollout
+#                                            # workload (bf16, fp8_block; measured 2026-12-07 on an H100 in 324 s)
 #   bash experiments/h200_runs.sh pending    # (~8 min) what the last build left unmeasured: the rollout workload, three
 #                                            # recipes, two passes (fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2)
 #   bash experiments/h200_runs.sh pending_decode  # (~6 min) the rollout side at once: the
@@ -258,21 +257,7 @@ case "${1:-}" in
   update_mb)  # (~4 min) the accumulated update at micro-batches of 8 and 16 rows (of 16): does the FP8 update's lead
               # over BF16 grow with the experts' rows per GEMM? -> $OUT/step_profile_update_mb{8,16}_<card>.json
     for mb in 8 16; do UPDATE_MICRO_BATCH=$mb bash "$0" profile_accum 200; done ;;
-  sampler_dispatch)  # (~5 min) the two-level sampler and the counted MoE dispatch: their tests on the GPU (the sampling,
-    # numerics and dispatch files whole, the rollout == trainer -m gpu test), the sampler beside the one-level
-    # Gumbel-max anchor (vocab_side.py --parts noise, folded into results' vocab_side_<card>.json), then the decode
-    # step's kernels (step_profile.py: 4 layers, 256 slots, 256-token prompts, bf16 + fp8_block)
-    timeout 190 $PY -m pytest -q tests/rollout/test_embedded_sampling.py tests/model/test_numerics.py tests/model/test_moe.py \
-      tests/rollout/test_embedded_mismatch_gpu.py -p no:cacheprovider --tb=short 2>&1 | quiet | tee "$OUT/sampler_dispatch_tests.log" | tail -4
-    cp "experiments/benchmarks/results/vocab_side_$(card_name).json" "$OUT/" 2>/dev/null
-    timeout 120 $PY experiments/benchmarks/vocab_side.py --parts noise --rows 64,256 \
-      --out "$OUT/vocab_side_$(card_name).json" 2>&1 | quiet | grep -E "^noise|rror"
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 \
-      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/decode4_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=decode_slots" \
-      timeout "${2:-200}" $PY experiments/benchmarks/step_profile.py --programs decode \
-      --recipes bf16,fp8_block --layers 4 --slots 256 --prompt-len 256 --max-len 8192 --top 120 --hlo-dump /tmp/decode4_hlo \
-      --out "$OUT/step_profile_decode256_4l_$(card_name).json" 2>&1 | quiet | tail -30 ;;
-  sampler_workload)  # (~9 min) the two-level sampler and counted dispatch where the targets are measured: the sampling
+  sampler_workload)  # (~7 min) the two-level sampler and counted dispatch where the targets are measured: the sampling
     # tests and the rollout == trainer -m gpu test on the GPU, the sampler beside its one-level anchor at 256 rows,
     # then the rollout workload (bf16, fp8_block; continuous, one pass; its decode step at 256-token caches)
     timeout 120 $PY -m pytest -q tests/rollout/test_embedded_sampling.py tests/model/test_moe.py \
