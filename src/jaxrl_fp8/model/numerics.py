@@ -142,7 +142,7 @@ def _tree_split(padded_length: int) -> bool:
 def strided_partial_sums(x: jax.Array, levels: int = FIRST_LEVELS) -> tuple[jax.Array, jax.Array]:
     """(`row_sum(x)` with its bits, the tree's partial sums after `levels` levels) over the last axis.
 
-    The partials are float [..., C], C = 2^ceil(log2 n) / 2^levels (levels capped at log2 of that): partial j is
+    The partials are float [..., C], C = 2^ceil(log2 n) / 2^levels (levels capped at ceil(log2 n)): partial j is
     the tree's sum of x[..., j + C t] over t (the zero padding included). One tree gives both, so the sampler gets a
     row's total and the mass of its strided chunks from one pass over the vocabulary. At the default, a long tree's
     partials are exactly what its first kernel stores."""

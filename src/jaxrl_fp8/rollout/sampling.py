@@ -173,7 +173,7 @@ def draw_token(z: jax.Array, keep, keys: jax.Array) -> tuple[jax.Array, jax.Arra
     bound). The bounded noise (u in [2^-24, 1 - 2^-24]: Gumbel in [-2.8, 16.7]) leaves out a chunk or token ~19.5
     nats below the best one, as the one-level draw does; float32 chunk masses round to 2^-24 of themselves.
     keep: True or bool [B, V]."""
-    b, v = z.shape
+    v = z.shape[-1]
     m = jnp.max(z, axis=-1, keepdims=True)
     e = exp(z - m)
     if keep is not True:
