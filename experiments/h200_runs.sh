@@ -267,8 +267,8 @@ case "${1:-}" in
       --out "$OUT/vocab_side_$(card_name).json" 2>&1 | quiet | grep -E "^noise|rror"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-330}" $PY experiments/benchmarks/rollout_workload.py \
       --recipes bf16,fp8_block --schedulers continuous --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -14 ;;
-  pending)  # (~8 min) what this build left unmeasured: the rollout workload on it (grouped GEMMs storing BF16, the
-            # RMSNorm without its barrier), three recipes, steady figures from a second pass on compiled programs
+  pending)  # (~8 min) what this build left unmeasured: the rollout workload with three recipes and steady figures
+            # from a second pass on compiled programs (the single pass gave fp8_block_kv 1.277x on 2026-12-07)
     bash "$0" fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2 ;;
   chains)  # (~5 min) promotion chains (a K block promoted under the next one's wgmma) in the FP8 grouped forward and
            # weight gradient: their GPU bit tests, then the grouped forward (chains of 2 / 1) and the wgrad suite
