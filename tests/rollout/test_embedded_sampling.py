@@ -227,16 +227,6 @@ def test_sampling_distribution_top_k_top_p():
     np.testing.assert_array_equal(freq, [1, 0, 0, 0, 0])
 
 
-def _draw_row(logits_row, top_k=-1, top_p=1.0, n=20000):
-    """Frequencies of n draws (seeds 0..n-1) from one row of logits at temperature 1."""
-    v = logits_row.shape[0]
-    logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, v))
-    f = jax.jit(S.sample_tokens)
-    toks = f(logits, jnp.ones((n,), jnp.float32), jnp.full((n,), top_k), jnp.full((n,), top_p, jnp.float32),
-             jnp.arange(n), jnp.full((n,), 3, jnp.int32))
-    return np.bincount(np.asarray(toks), minlength=v) / n
-
-
 @pytest.mark.parametrize("vocab", [1000, 20000])
 def test_two_level_draw_samples_the_softmax_across_chunks(vocab):
     """The chunk is drawn by its mass, then the token inside it: tokens spread over several strided chunks (and, at
@@ -249,7 +239,7 @@ def test_two_level_draw_samples_the_softmax_across_chunks(vocab):
     for t, q in heavy.items():
         probs[t] = q
     logits = np.log(probs / probs.sum()).astype(np.float32)
-    freq = _draw_row(logits)
+    freq = _draw_many(logits, 1.0, -1, 1.0, n=20000)
     ref = np.exp(_np_log_softmax(logits[None])[0])
     n = 20000
     sigma = np.sqrt(ref * (1 - ref) / n)
@@ -264,7 +254,7 @@ def test_two_level_draw_respects_the_keep_mask_in_every_chunk():
     rng = np.random.default_rng(21)
     logits = rng.normal(size=vocab).astype(np.float32)
     top = np.argsort(-logits, kind="stable")[:4]
-    freq = _draw_row(logits, top_k=4)
+    freq = _draw_many(logits, 1.0, 4, 1.0, n=20000)
     ref = np.zeros(vocab)
     ref[top] = np.exp(logits[top] - logits[top].max())
     ref /= ref.sum()
@@ -276,7 +266,7 @@ def test_two_level_draw_respects_the_keep_mask_in_every_chunk():
 @pytest.mark.parametrize("vocab", [1, 2, 3])
 def test_tiny_vocabularies_draw_valid_tokens(vocab):
     logits = np.log(np.arange(1, vocab + 1, dtype=np.float64) / (vocab * (vocab + 1) / 2)).astype(np.float32)
-    freq = _draw_row(logits, n=4000)
+    freq = _draw_many(logits, 1.0, -1, 1.0)
     ref = np.arange(1, vocab + 1) / (vocab * (vocab + 1) / 2)
     assert np.all(np.abs(freq - ref) <= 5 * np.sqrt(ref * (1 - ref) / 4000) + 1e-9)
 

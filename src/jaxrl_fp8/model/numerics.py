@@ -36,7 +36,7 @@ from jaxrl_fp8.precision.arith import ieee_div
 F32 = jnp.float32
 
 __all__ = ["row_sum", "strided_partial_sums", "rounded_product", "lanewise", "exp", "silu", "rms_norm", "log_softmax",
-           "softmax"]
+           "log_normalized", "softmax"]
 
 LANES = 64
 
@@ -170,7 +170,14 @@ def log_softmax(logits: jax.Array) -> jax.Array:
     z = logits.astype(F32)
     m = lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     shifted = z - m
-    return shifted - lanewise(jnp.log, row_sum(exp(shifted), keepdims=True))
+    return log_normalized(shifted, row_sum(exp(shifted), keepdims=True))
+
+
+def log_normalized(shifted: jax.Array, total: jax.Array) -> jax.Array:
+    """shifted - log(total): the last step of `log_softmax` (shifted = z - max z, total = the row sum of
+    exp(shifted), [..., 1]); the sampler, which sums the tree itself (`strided_partial_sums`), ends with it too, so
+    both give the same bits."""
+    return shifted - lanewise(jnp.log, total)
 
 
 def pick_logprobs(logp: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrl_fp8.model.numerics import exp, lanewise, log_softmax, pick_logprobs, softmax, strided_partial_sums
+from jaxrl_fp8.model.numerics import (exp, lanewise, log_normalized, log_softmax, pick_logprobs, softmax,
+                                     strided_partial_sums)
 from jaxrl_fp8.precision.arith import ieee_div
 
 F32 = jnp.float32
@@ -228,7 +229,7 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, steps, *, pla
         greedy = jnp.argmax(logits, axis=-1)
         tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
         if keep is True:  # the draw's tree is log_softmax's: its total gives token_logprobs' bits, no second pass
-            return tokens, pick_logprobs((z - m) - lanewise(jnp.log, total[:, None]), tokens)
+            return tokens, pick_logprobs(log_normalized(z - m, total[:, None]), tokens)
         return tokens, token_logprobs(z, tokens)  # z is tempered already: the host temperature 1 divides nothing
 
     def unit_unfiltered():
