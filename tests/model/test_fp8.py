@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -98,3 +99,22 @@ def test_bad_fp8_scale_is_named(fp8_ckpt, tmp_path):
     hf_io.write_json_atomic(f"{bad}/config.json", config)
     with pytest.raises(M.CheckpointError, match="weight_block_size"):
         M.from_pretrained(bad)
+
+
+def test_moe_quantizes_tokens_before_the_expert_gather(master, monkeypatch):
+    """The fp8-block MoE quantizes each token once and gathers its groups to its k expert rows: the logits are the
+    bits of quantizing the gathered rows (the path with the pre-quantized input switched off)."""
+    from jaxrl_fp8.model import matmul, qwen3
+
+    ids = np.random.default_rng(1).integers(0, CFG.vocab_size, (3, 5))  # a shape no other test traced
+    fp8 = M.Policy(master.model, recipe=get_recipe("fp8_block"))
+    calls = []
+    real = matmul.grouped_fp8_input
+    monkeypatch.setattr(matmul, "grouped_fp8_input", lambda x, w: calls.append(x.shape) or real(x, w))
+    pre = np.asarray(fp8.logits(ids))
+    assert calls == [(ids.size, CFG.hidden_size)] * len(CFG.moe_layers) != []  # the tokens quantized once an MoE layer
+    monkeypatch.setattr(qwen3.MoE, "_sorted_fp8_input", lambda self, x, d, ctx: None)
+    jax.clear_caches()  # retrace without the pre-quantized input
+    calls.clear()
+    np.testing.assert_array_equal(pre, np.asarray(fp8.logits(ids)))
+    assert calls == []

@@ -131,3 +131,40 @@ def test_fp8_grouped_wgrad_block_math():
         ref = R.block_scaled_matmul(np.where(keep, ctq, 0), sct, np.where(keep, xtq, 0), sxt, b_rows_per_scale=1)
         assert R.rel_err(gw[g], ref) < 2e-6 if size else float(jnp.abs(gw[g]).max()) == 0
         start += size
+
+
+@pytest.mark.parametrize("backward", ["high_precision", "dequantized", "fp8"])
+def test_fp8_input_quantized_before_the_gather_gives_the_same_bits(backward):
+    """x_fp8: tokens quantized once and their groups gathered to the sorted rows give the bits (forward and both
+    gradients) of quantizing the gathered rows themselves; rows repeat, as a token's k expert rows do."""
+    tokens, w = _data(11, 12, 4, 128, 256, jnp.bfloat16)
+    token_of_row = jnp.asarray(np.random.default_rng(2).integers(0, 12, 40), jnp.int32)
+    gs = jnp.asarray([10, 0, 20, 5], jnp.int32)
+    c = jnp.asarray(np.random.default_rng(3).standard_normal((40, 128)), jnp.float32)
+
+    def loss(tokens, w, pre_quantized):
+        rows = tokens[token_of_row]
+        x_fp8 = None
+        if pre_quantized:
+            q, scale = ops.grouped.fp8_input(tokens, w, backend="xla")
+            x_fp8 = (q[token_of_row], scale[token_of_row])
+        y = ops.grouped_linear(rows, w, gs, fmt="fp8-block", backward=backward, backend="xla", x_fp8=x_fp8)
+        return jnp.sum(y.astype(jnp.float32) * c), y
+
+    (_, y_pre), g_pre = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(tokens, w, True)
+    (_, y_ref), g_ref = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(tokens, w, False)
+    np.testing.assert_array_equal(np.asarray(y_pre, np.float32), np.asarray(y_ref, np.float32))
+    for a, b in zip(g_pre, g_ref):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_bad_fp8_input():
+    x, w = _data(12, 8, 4, 128, 256)
+    gs = jnp.asarray([8, 0, 0, 0], jnp.int32)
+    q, scale = quantize_fp8_per_token_group(x, 128)
+    with pytest.raises(ValueError, match="x_fp8"):
+        ops.grouped_linear(x, w, gs, fmt="fp8-block", backend="xla", x_fp8=(q[:4], scale[:4]))
+    with pytest.raises(ValueError, match="x_fp8"):
+        ops.grouped_linear(x, w, gs, fmt="fp8-block", backend="xla", x_fp8=(q.astype(jnp.float32), scale))
+    # other formats ignore it
+    ops.grouped_linear(x, w, gs, fmt="bf16", backend="xla", x_fp8=(q[:4], scale[:4]))

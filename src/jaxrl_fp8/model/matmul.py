@@ -16,13 +16,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_fp8 import ops
+from jaxrl_fp8.ops.grouped import fp8_input
 from jaxrl_fp8.ops.grouping import grouped_dot
 from jaxrl_fp8.ops.high_precision import high_precision_dot
 from jaxrl_fp8.precision import QuantizedWeight
 
 F32 = jnp.float32
 
-__all__ = ["linear", "grouped_linear", "high_precision_linear", "head_logits", "weight_dtype"]
+__all__ = ["linear", "grouped_linear", "grouped_fp8_input", "high_precision_linear", "head_logits", "weight_dtype"]
 
 
 def weight_dtype(w) -> jnp.dtype:
@@ -45,8 +46,10 @@ def linear(x: jax.Array, w, fmt: str | None, backward: str = "high_precision", o
     return ops.linear(x, w, fmt=fmt, backward=backward, out_dtype=out_dtype)
 
 
-def grouped_linear(x: jax.Array, w, group_sizes: jax.Array, fmt: str | None, backward: str = "high_precision", out_dtype=None):
-    """Expert GEMM on rows sorted by expert: x [M, K], w [E, N, K]."""
+def grouped_linear(x: jax.Array, w, group_sizes: jax.Array, fmt: str | None, backward: str = "high_precision", out_dtype=None,
+                   x_fp8=None):
+    """Expert GEMM on rows sorted by expert: x [M, K], w [E, N, K]. x_fp8: x's FP8 operands when fmt is fp8-block
+    (`ops.grouped_linear`; ignored otherwise)."""
     out_dtype = out_dtype or x.dtype
     if isinstance(w, QuantizedWeight) and w.fmt != fmt:
         w = _as_dense(w, x.dtype)
@@ -54,7 +57,12 @@ def grouped_linear(x: jax.Array, w, group_sizes: jax.Array, fmt: str | None, bac
         if x.dtype == F32 or w.dtype == F32:
             return grouped_dot(x.astype(F32), w.astype(F32), group_sizes, out_dtype=out_dtype, compute_dtype=F32)
         fmt = "bf16"
-    return ops.grouped_linear(x, w, group_sizes, fmt=fmt, backward=backward, out_dtype=out_dtype)
+    return ops.grouped_linear(x, w, group_sizes, fmt=fmt, backward=backward, out_dtype=out_dtype, x_fp8=x_fp8)
+
+
+def grouped_fp8_input(x: jax.Array, w):
+    """x's 1x128 FP8 operands as `grouped_linear(x, w, "fp8-block")` makes them (`ops.grouped.fp8_input`)."""
+    return fp8_input(x, w)
 
 
 def high_precision_linear(x: jax.Array, w: jax.Array, out_dtype=F32) -> jax.Array:

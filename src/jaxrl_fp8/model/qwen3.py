@@ -21,6 +21,7 @@ from jaxrl_fp8.model.cache import KVCache, PagedKVCache
 from jaxrl_fp8.model.config import ModelConfig
 from jaxrl_fp8.model.numerics import rms_norm, silu
 from jaxrl_fp8.model.rope import apply_rope, rope_cos_sin
+from jaxrl_fp8.precision import formats as F
 from jaxrl_fp8.precision.kv import fake_quantize_kv, kv_cache_of, quantize_kv
 
 F32 = jnp.float32
@@ -170,9 +171,18 @@ class MoE(nnx.Module):
         self.up_proj = ExpertStack(n, i, e, ("expert", "mlp", "embed"), dtype=dtype, rngs=rngs)
         self.down_proj = ExpertStack(n, e, i, ("expert", "embed", "mlp"), dtype=dtype, rngs=rngs)
 
-    def _proj(self, name, x, gs, ctx):
+    def _proj(self, name, x, gs, ctx, x_fp8=None):
         w = getattr(self, name).weight.get_value()
-        return matmul.grouped_linear(x, w, gs, ctx.fmt(f"layers.{self.layer}.moe.{name}.weight"), ctx.backward)
+        return matmul.grouped_linear(x, w, gs, ctx.fmt(f"layers.{self.layer}.moe.{name}.weight"), ctx.backward, x_fp8=x_fp8)
+
+    def _sorted_fp8_input(self, x, d, ctx):
+        """The gate / up products' FP8 operands of the sorted rows, each token quantized once and its groups gathered
+        to its k rows (a decode step quantized k = 8 copies of every row: 2,048 rows instead of 256); None unless both
+        run fp8-block. Same bits as quantizing the sorted rows (a group's scale sees only its own row)."""
+        if {ctx.fmt(f"layers.{self.layer}.moe.{p}.weight") for p in ("gate_proj", "up_proj")} != {F.FP8_BLOCK}:
+            return None
+        q, scale = matmul.grouped_fp8_input(x, self.gate_proj.weight.get_value())
+        return q[d.token_of_row], scale[d.token_of_row]
 
     def __call__(self, x, ctx: _Ctx, replay=None):
         """x [N, H] -> (y [N, H], Routing)."""
@@ -187,7 +197,8 @@ class MoE(nnx.Module):
             return y.astype(x.dtype), routing
         d = moe_lib.dispatch(routing.experts, cfg.num_experts)
         xs = moe_lib.sorted_rows(x, d)
-        h = silu(self._proj("gate_proj", xs, d.group_sizes, ctx)) * self._proj("up_proj", xs, d.group_sizes, ctx)
+        xs_fp8 = self._sorted_fp8_input(x, d, ctx)
+        h = silu(self._proj("gate_proj", xs, d.group_sizes, ctx, xs_fp8)) * self._proj("up_proj", xs, d.group_sizes, ctx, xs_fp8)
         y = self._proj("down_proj", h, d.group_sizes, ctx)
         return moe_lib.combine(y, d, routing.weights).astype(x.dtype), routing
 

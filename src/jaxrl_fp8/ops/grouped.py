@@ -14,12 +14,17 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 
 
-def grouped_linear(x, w, group_sizes, *, fmt: str = "bf16", backward: str = "high_precision", backend: str | None = None, out_dtype=None):
+def grouped_linear(x, w, group_sizes, *, fmt: str = "bf16", backward: str = "high_precision", backend: str | None = None,
+                   out_dtype=None, x_fp8=None):
     """y[r] = x[r] . w[g(r)]^T for rows sorted by expert: x [M, K], w [E, N, K], group_sizes int [E].
 
     Rows past sum(group_sizes) are padding and get 0; empty groups are allowed. Only the rows of each
     expert are multiplied by that expert (never all experts on all rows). Formats and backward modes as in
     `ops.linear`.
+    x_fp8: fp8-block only, x's 1x128 FP8 operands (q [M, K] e4m3, scale [M, K/128]) when the caller already has
+      them, e.g. each token's groups quantized once and gathered to its k expert rows (`fp8_input` then a row
+      gather) instead of quantizing the k copies: the same bits, since a group's quantization sees only its own
+      row. No gradient flows through them (the backward uses x). Other formats ignore it.
     """
     O.check_args(fmt, backward, "ops.grouped_linear")
     backends.check_backend(backend)
@@ -31,7 +36,26 @@ def grouped_linear(x, w, group_sizes, *, fmt: str = "bf16", backward: str = "hig
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if x.shape[0] == 0:
         return jnp.zeros((0, n), out_dtype)
-    return _grouped(x, w, group_sizes, fmt, backward, backend, out_dtype)
+    x_fp8 = _check_fp8_input(x_fp8, x) if fmt == F.FP8_BLOCK else None
+    return _grouped(x, w, group_sizes, x_fp8, fmt, backward, backend, out_dtype)
+
+
+def fp8_input(x, w, backend: str | None = None):
+    """x's 1x128 FP8 operands (q, scale) as `grouped_linear(x, w, fmt="fp8-block")` would make them (same backend,
+    same bits), without a gradient: rows of x may be quantized before they are gathered into expert order."""
+    n, k = w.shape[-2:]
+    return O.fp8_act(jax.lax.stop_gradient(x), backends.resolve(backend, F.FP8_BLOCK, n, k))
+
+
+def _check_fp8_input(x_fp8, x):
+    if x_fp8 is None:
+        return None
+    q, scale = x_fp8
+    want = (x.shape[0], -(-x.shape[1] // F.FP8_ACT_GROUP))
+    if q.shape != x.shape or q.dtype != jnp.float8_e4m3fn or scale.shape != want:
+        raise ValueError(f"ops.grouped_linear x_fp8: expected q {list(x.shape)} float8_e4m3fn and scale {list(want)}, "
+                         f"got q {list(q.shape)} {q.dtype} and scale {list(scale.shape)}")
+    return q, scale
 
 
 def _bf16_dot(x, w, gs, backend, layout="nk", out_dtype=jnp.float32):
@@ -42,13 +66,13 @@ def _bf16_dot(x, w, gs, backend, layout="nk", out_dtype=jnp.float32):
     return backends.bf16_grouped_matmul(x, w, gs, backend=be, layout=layout, out_dtype=out_dtype)
 
 
-def _forward(x, w, gs, fmt, backend, out_dtype):
+def _forward(x, w, gs, fmt, backend, out_dtype, x_fp8=None):
     e, n, k = w.shape
     if fmt == F.BF16:
         return _bf16_dot(x, jnp.asarray(w), gs, backend, out_dtype=out_dtype), None
     if fmt == F.FP8_BLOCK:
         be = backends.resolve(backend, fmt, n, k)
-        xq, sa = O.fp8_act(x, be)
+        xq, sa = x_fp8 if x_fp8 is not None else O.fp8_act(x, be)
         wq, sb = O.fp8_weight(w, be)
         # the kernel rounds its float32 tiles to out_dtype as it stores them (round to nearest even, the convert XLA
         # would run after it): the same values without a float32 [M, N] round trip through memory and a convert
@@ -60,13 +84,13 @@ def _forward(x, w, gs, fmt, backend, out_dtype):
     return _bf16_dot(xd, wd, gs, backend, out_dtype=out_dtype), (xd, wd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _grouped(x, w, gs, fmt, backward, backend, out_dtype):
-    return _forward(x, w, gs, fmt, backend, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _grouped(x, w, gs, x_fp8, fmt, backward, backend, out_dtype):
+    return _forward(x, w, gs, fmt, backend, out_dtype, x_fp8)[0]
 
 
-def _grouped_fwd(x, w, gs, fmt, backward, backend, out_dtype):
-    y, fwd_ops = _forward(x, w, gs, fmt, backend, out_dtype)
+def _grouped_fwd(x, w, gs, x_fp8, fmt, backward, backend, out_dtype):
+    y, fwd_ops = _forward(x, w, gs, fmt, backend, out_dtype, x_fp8)
     keep = fwd_ops if (backward == "dequantized" or (backward == "fp8" and fmt == F.FP8_BLOCK)) else None
     return y, (x, w, gs, keep)
 
@@ -95,7 +119,7 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
         a, b = O.backward_operands(backward, fmt, x, w, kept)
         dx = _bf16_dot(g, b, gs, backend, layout="kn")
         dw = backends.bf16_grouped_wgrad(g, a, gs, e, backend=backends.resolve_bf16_grouped_wgrad(backend, n, k))
-    return dx.astype(x.dtype), O.master_cotangent(w, dw), None
+    return dx.astype(x.dtype), O.master_cotangent(w, dw), None, None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
