@@ -114,6 +114,56 @@ def dense_suite(m, n, k, configs, label, baseline=None):
         try_run(f"{tag} {label} {cfg}", one)
 
 
+def in_program(gemm, x, weights, reps: int = 5):
+    """(median, min) seconds of one GEMM launched inside a program: `gemm(x, w)` for each of the distinct `weights`
+    back to back in one jitted program, divided by their number. Why: a decode-sized GEMM runs 5-20 us on the
+    device, less than a jitted call's host dispatch, so timing single calls measures the host (the decode step runs
+    them inside one program too). Distinct weights, so each launch reads its weight from HBM, as a step does."""
+    f = jax.jit(lambda x, ws: [gemm(x, w) for w in ws])
+    med, best = bench(f, x, weights, iters=5, warmup=2, reps=reps)
+    return med / len(weights), best / len(weights)
+
+
+def dense_decode_suite(copy_tbps, copies: int = 16, shapes=None, rows=(64, 256)):
+    """The decode step's dense products (the stacked q / k / v projection and o) at 64 / 256 rows, timed in-program:
+    our FP8 kernel at its default tiling and at narrower column tiles / other rings (each must keep the default's bits:
+    bitwise_vs_first_config), beside the BF16 recipe's product of the same shape (our BF16 kernel, one group: what
+    `high_precision_dot` runs on Hopper); bytes moved against the copy bandwidth."""
+    from jaxrl_fp8.ops.high_precision import high_precision_dot
+
+    C = gemm_dense.GemmConfig
+    hidden, heads, kv, hd = 2048, 32, 4, 128
+    variants = [C(64, 64, 4, 16, 0), C(64, 64, 4, 16, 0, k_blocks_per_step=2), C(64, 64, 6, 16, 0), C(64, 32, 6, 16, 1),
+                C(64, 32, 8, 16, 0), C(64, 128, 4, 16, 0)]
+    for name, n, k in shapes or [("qkv", (heads + 2 * kv) * hd, hidden), ("o", hidden, heads * hd)]:
+        w16 = [rand(10 + i, (n, k), jnp.bfloat16, 0.05) for i in range(copies)]
+        wq = [quantize_fp8_per_block(w, (128, 128)) for w in w16]
+        for m in rows:
+            label = f"attn_{name} decode M{m}"
+            x16 = rand(1, (m, k), jnp.bfloat16)
+            xq, sa = quantize_fp8_per_token_group(x16, 128)
+            flops = 2 * m * n * k
+
+            def report(tag, t, weight_bytes, **extra):
+                moved = weight_bytes + m * k * (1 if "fp8" in tag else 2) + m * n * 2
+                frac = moved / t[0] / (copy_tbps * 1e12) if copy_tbps else None
+                record(f"{tag} {label}", (m, n, k), flops, t, bytes=moved, fraction_of_copy_bw=frac, **extra)
+
+            try_run(f"ours_bf16 {label}", lambda: report(
+                "ours_bf16_one_group", in_program(lambda x, w: high_precision_dot(x, w, "split3").astype(jnp.bfloat16), x16, w16),
+                n * k * 2))
+            first = {}
+            for cfg in dict.fromkeys([gemm_dense.default_config(n, k)] + variants):
+                def one(cfg=cfg):
+                    y32 = gemm_dense.block_scaled_matmul(xq, sa, *wq[0], config=cfg)
+                    same = bool(jnp.all(y32 == first.setdefault("y", y32)))
+                    err = check_rows(y32, xq, sa, *wq[0])
+                    gemm = lambda x, w: gemm_dense.block_scaled_matmul(x[0], x[1], w[0], w[1], out_dtype=jnp.bfloat16, config=cfg)
+                    report(f"ours_fp8 {cfg_label(cfg)}", in_program(gemm, (xq, sa), wq), n * k + n * k // 128**2 * 4,
+                           err=f"relerr={err:.2e}", config=str(cfg), bitwise_vs_first_config=same)
+                try_run(f"ours_fp8 {label} {cfg}", one)
+
+
 def moe_suite(configs, quick):
     e, m, sizes, shapes = moe_shapes()
     for name, n, k in shapes:
@@ -388,8 +438,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer variants (first device call)")
     p.add_argument("--suites", default="dense,moe,linear,torch",
                    help="comma-separated subset of dense,dense_decode,moe,grouped,decode,linear,wgrad,torch (wgrad: the MoE weight gradients alone; "
-                        "dense_decode: the FP8 dense kernel on the model's q / k / o projections at 64 / 256 rows, "
-                        "narrow column tiles and deeper rings beside the default tiling; "
+                        "dense_decode: the decode step's stacked q / k / v and o products at 64 / 256 rows timed inside one "
+                        "program, our FP8 kernel's tilings beside our BF16 kernel; "
                         "grouped: our grouped FP8 forward alone, both promotion chains; "
                         "decode: the expert GEMMs of a decode step at 64 / 256 rows, both splits of the grouped kernel; "
                         "torch: torch_anchors.py next to our default kernels at the same shapes)")
@@ -428,14 +478,7 @@ def main(argv=None):
             dense_suite(64, n, k, dense_cfgs[:2] + [C(64, 64, 4, 16, 0), C(64, 64, 2, 16, 0)], f"attn_{name} decode M64", baseline)
         save()
     if "dense_decode" in suites:
-        # the model's own attention projections (q, k / v, o: not fused) at decode rows: N / 128 column tiles leave most
-        # SMs idle at one 128-row block (k / v: 4 CTAs), so narrower column tiles (column-scale mode) and deeper rings
-        # are the candidates; every one must keep the default's bits (bitwise_vs_first_config)
-        hidden, heads, kv, hd = 2048, 32, 4, 128
-        decode_cfgs = [C(64, 64, 4, 16, 0), C(64, 64, 6, 16, 0), C(64, 64, 6, 16, 1), C(64, 32, 6, 16, 1), C(64, 32, 8, 16, 1)]
-        for name, n, k in [("q", heads * hd, hidden), ("k", kv * hd, hidden), ("o", hidden, heads * hd)]:
-            for m in (64, 256):
-                dense_suite(m, n, k, [gemm_dense.default_config(n, k)] + decode_cfgs, f"attn_{name} decode M{m}")
+        dense_decode_suite(copy_tbps)
         save()
     # the grouped default first (promotion chains of 2 K blocks); then one block at a time (same bits)
     grouped_cfgs = [gemm_grouped.DEFAULT_CONFIG, dataclasses.replace(gemm_grouped.DEFAULT_CONFIG, k_blocks_per_step=1)]
