@@ -32,6 +32,7 @@ from pallas_kernels.kernel_cache import traced_once
 
 BLOCK_K = 128
 F32 = jnp.float32
+A_ROW_BLOCK = 128  # the largest CTA row block of the FP8 GEMM kernels: A's scales padded to it fit every one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +314,21 @@ def launch_persistent(kernel, out_type, *args, name: str, interpret: bool):
     return launch(call, *args, interpret=interpret)
 
 
+def a_scale_operand(a_scale, a_scale_op, m: int, kb: int, mp: int, where: str):
+    """A's 1x128 scales as the kernels load them, float32 [K/128, >= Mp] (Mp: M rounded up to the kernel's row block;
+    columns past M: any finite value, only padding rows use them): `a_scale_op` when the quantizer wrote that layout
+    (`quantize.fp8_gemm_operand`, rows padded to A_ROW_BLOCK), else a_scale [M, K/128] padded and transposed here (an
+    XLA transpose kernel per product)."""
+    if a_scale_op is None:
+        return jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
+    if a_scale_op.ndim != 2 or a_scale_op.shape[0] != kb or a_scale_op.shape[1] < mp or a_scale_op.dtype != F32:
+        raise ValueError(f"{where}: a_scale_op must be float32 [K/128, >= Mp] = [{kb}, >= {mp}] (Mp: M rounded up to the "
+                         f"row block); got {a_scale_op.dtype} {list(a_scale_op.shape)}; make it with quantize.fp8_gemm_operand")
+    return a_scale_op
+
+
 def check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale: int, where: str):
+    """a_scale None: A's scales come as a_scale_op (checked by `a_scale_operand`)."""
     m, k = a_q.shape
     n, k2 = b_q.shape[-2:]
     if k != k2:
@@ -323,7 +338,7 @@ def check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale: int, where: str
     if a_q.dtype != jnp.float8_e4m3fn or b_q.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"{where}: A and B must be float8_e4m3fn; got {a_q.dtype}, {b_q.dtype}")
     kb = k // BLOCK_K
-    if a_scale.shape != (m, kb):
+    if a_scale is not None and a_scale.shape != (m, kb):
         raise ValueError(f"{where}: a_scale must be [M, K/128] = {(m, kb)}; got {a_scale.shape}")
     want = (*b_q.shape[:-2], n // b_rows_per_scale, kb)
     if b_scale.shape != want:
@@ -332,9 +347,10 @@ def check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale: int, where: str
 
 @traced_once("b_rows_per_scale", "out_dtype", "interpret", "config")
 def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 128, out_dtype=F32, interpret: bool = False,
-                        config: GemmConfig | None = None, b_scale_op=None):
+                        config: GemmConfig | None = None, b_scale_op=None, a_scale_op=None):
     """C = A . B^T with block scales (see module doc). Any M; N, K multiples of 128.
-    b_scale_op: b_scale already in the kernel's layout (`weight_scale_operand`), or None."""
+    b_scale_op: b_scale already in the kernel's layout (`weight_scale_operand`), or None.
+    a_scale_op: A's scales already in the kernel's layout (`a_scale_operand`; a_scale may then be None), or None."""
     check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale, "gemm_dense.block_scaled_matmul")
     m, k = a_q.shape
     n = b_q.shape[0]
@@ -345,8 +361,8 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 1
     row_scales = uses_row_scales(cfg, b_rows_per_scale)
     cta_m = 2 * cfg.tile_m
     mp = -(-m // cta_m) * cta_m
-    a = jnp.pad(a_q, [(0, mp - m), (0, 0)])
-    sa_t = jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
+    a = jnp.pad(a_q, [(0, mp - m), (0, 0)]) if mp != m else a_q
+    sa_t = a_scale_operand(a_scale, a_scale_op, m, k // BLOCK_K, mp, "gemm_dense.block_scaled_matmul")
     sb_t = checked_scale_operand(b_scale, b_scale_op, n, b_rows_per_scale, cfg, "gemm_dense.block_scaled_matmul")
     kernel = functools.partial(_dense_kernel, cfg=cfg, row_scales=row_scales)
     out = launch_persistent(kernel, jax.ShapeDtypeStruct((mp, n), out_dtype), a, b_q, sa_t, sb_t, name="gemm_dense_fp8",

@@ -27,6 +27,7 @@ from pallas_kernels.gemm_dense import (
     F32,
     GemmConfig,
     _swizzle_transforms,
+    a_scale_operand,
     b_scale_operand,
     check_operands,
     checked_scale_operand,
@@ -232,9 +233,10 @@ def weight_scale_operand(b_scale, cfg: GemmConfig | None = None):
 
 @traced_once("out_dtype", "interpret", "config")
 def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_dtype=F32, interpret: bool = False,
-                                config: GemmConfig | None = None, b_scale_op=None):
+                                config: GemmConfig | None = None, b_scale_op=None, a_scale_op=None):
     """a_q [M, K] e4m3 (rows sorted by group), a_scale [M, K/128]; b_q [E, N, K], b_scale [E, N/128, K/128];
-    b_scale_op: b_scale already in the kernel's layout (`weight_scale_operand`), or None.
+    b_scale_op: b_scale already in the kernel's layout (`weight_scale_operand`), or None;
+    a_scale_op: a_scale already in the kernel's layout (`gemm_dense.a_scale_operand`; a_scale may then be None).
 
     Rows past sum(group_sizes) come out as zeros.
     """
@@ -253,7 +255,7 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, out_
     items = work_items(group_sizes, m, tile)
     mp = -(-m // tile) * tile
     a = jnp.pad(a_q, [(0, mp - m), (0, 0)]) if mp != m else a_q  # a copy only when M is not whole blocks
-    sa_t = jnp.pad(jnp.asarray(a_scale, F32), [(0, mp - m), (0, 0)]).T
+    sa_t = a_scale_operand(a_scale, a_scale_op, m, k // BLOCK_K, mp, "gemm_grouped.grouped_block_scaled_matmul")
     sb_t = checked_scale_operand(b_scale, b_scale_op, n, 128, cfg, "gemm_grouped.grouped_block_scaled_matmul")
     kernel = functools.partial(_grouped_kernel, cfg=cfg)
     return launch_persistent(kernel, jax.ShapeDtypeStruct((m, n), out_dtype), items, a, b_q, sa_t, sb_t,

@@ -30,7 +30,7 @@ from pallas_kernels.exact_arith import (
 )
 from pallas_kernels.tile_schedules import persistent_kernel
 from pallas_kernels.tiling import (
-    interpret_context, resolve_interpret, ROW_PAD, ROWS, swizzle_transforms, tile_rows, TileConfig,
+    interpret_context, resolve_interpret, ROW_MULTIPLE, ROW_PAD, ROWS, swizzle_transforms, tile_rows, TileConfig,
 )
 from pallas_kernels.kernel_cache import traced_once
 
@@ -127,6 +127,59 @@ def fp8_per_token_group(x, group_size: int = 128, *, dtype=jnp.float8_e4m3fn, po
     with interpret_context(interpret):
         return _quantize_rows(x, group=group_size, out_dtype=jnp.dtype(dtype), pow2=pow2_scale, e8m0=False,
                               cfg=config or TileConfig(), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("group", "out_dtype", "cfg", "interpret", "rows_multiple"))
+def _quantize_rows_gemm_layout(x, *, group, out_dtype, cfg, interpret, rows_multiple):
+    """x [M, K] -> (q [M, K], scale_t [K/group, Mp]): the group kernel's body on [rows, group] tiles cut from the 2-D
+    x (tile t: row band t // (K/group), group t % (K/group)), so each tile's scales are a contiguous run of one row of
+    scale_t. Mp = M rounded up to rows_multiple; rows past M are read as zeros (q 0, the floor's scale)."""
+    m, k = x.shape
+    kb = k // group
+    tr = tile_rows(cfg, group)
+    mp = -(-m // rows_multiple) * rows_multiple
+    bands = pl.cdiv(mp, tr)
+    m16 = -(-m // ROW_PAD) * ROW_PAD  # see ROW_PAD: a copy only for a row count off the multiple
+    if m16 != m:
+        x = jnp.pad(x, [(0, m16 - m), (0, 0)])
+    cells = lambda g, t: g.at[pl.ds((t // kb) * tr, tr), pl.ds((t % kb) * group, group)]
+    scale_run = lambda g, t: g.at[t % kb, pl.ds((t // kb) * tr, tr)]
+    body = functools.partial(_group_body, fmax=fp8_max(out_dtype), out_dtype=out_dtype, pow2=False, e8m0=False,
+                             mode=div_mode(interpret, cfg))
+    call = persistent_kernel(
+        body,
+        name=f"quantize_fp8_g{group}_t",
+        out_shapes=[jax.ShapeDtypeStruct((m16, k), out_dtype), jax.ShapeDtypeStruct((kb, bands * tr), F32)],
+        in_tiles=[((tr, group), x.dtype, swizzle_transforms(group, x.dtype), cells)],
+        out_tiles=[
+            ((tr, group), out_dtype, swizzle_transforms(group, out_dtype), cells),
+            ((tr,), F32, (), scale_run),
+        ],
+        ntiles=bands * kb,
+        cfg=cfg,
+        interpret=interpret,
+    )
+    q, scale_t = call(x)
+    return q[:m] if m16 != m else q, scale_t[:, :mp] if bands * tr != mp else scale_t
+
+
+@traced_once("rows_multiple", "interpret", "config")
+def fp8_gemm_operand(x, *, rows_multiple: int = 128, interpret: bool = False, config: TileConfig | None = None):
+    """x [M, K] (K a multiple of 128) -> (q [M, K] e4m3, scale_t [K/128, Mp] float32): `fp8_per_token_group(x, 128)`'s
+    codes and its scales transposed, in the layout the FP8 GEMM kernels load (K-block major, M padded to
+    `rows_multiple`, the GEMM's row block), written so by the kernel itself: the GEMM needs no transpose of the
+    scales (a kernel launch per product) and no pad of them. scale_t[j, m] == fp8_per_token_group(x)[1][m, j] bit
+    for bit for m < M; the columns past M hold the floor's scale (zero rows), which only padding rows multiply."""
+    x = jnp.asarray(x)
+    _check_input(x, "fp8_gemm_operand")
+    if x.ndim != 2 or x.shape[1] % 128:
+        raise ValueError(f"fp8_gemm_operand: x must be [M, K] with K a multiple of 128; got shape {x.shape}")
+    if rows_multiple % ROW_MULTIPLE and ROW_MULTIPLE % rows_multiple:
+        raise ValueError(f"fp8_gemm_operand: rows_multiple {rows_multiple} must divide or be a multiple of {ROW_MULTIPLE}")
+    interpret = resolve_interpret(interpret)
+    with interpret_context(interpret):
+        return _quantize_rows_gemm_layout(x, group=128, out_dtype=jnp.dtype(jnp.float8_e4m3fn), cfg=config or TileConfig(),
+                                          interpret=interpret, rows_multiple=rows_multiple)
 
 
 MXFP8_IMPLS = ("v2", "v1")

@@ -133,8 +133,9 @@ def test_fp8_grouped_wgrad_block_math():
         start += size
 
 
-@pytest.mark.parametrize("backward", ["high_precision", "dequantized", "fp8"])
-def test_fp8_input_quantized_before_the_gather_gives_the_same_bits(backward):
+@pytest.mark.parametrize("backend, backward", [("xla", "high_precision"), ("xla", "dequantized"), ("xla", "fp8"),
+                                               ("interpret", "dequantized")])
+def test_fp8_input_quantized_before_the_gather_gives_the_same_bits(backend, backward):
     """x_fp8: tokens quantized once and their groups gathered to the sorted rows give the bits (forward and both
     gradients) of quantizing the gathered rows themselves; rows repeat, as a token's k expert rows do."""
     tokens, w = _data(11, 12, 4, 128, 256, jnp.bfloat16)
@@ -146,9 +147,8 @@ def test_fp8_input_quantized_before_the_gather_gives_the_same_bits(backward):
         rows = tokens[token_of_row]
         x_fp8 = None
         if pre_quantized:
-            q, scale = ops.grouped.fp8_input(tokens, w, backend="xla")
-            x_fp8 = (q[token_of_row], scale[token_of_row])
-        y = ops.grouped_linear(rows, w, gs, fmt="fp8-block", backward=backward, backend="xla", x_fp8=x_fp8)
+            x_fp8 = ops.grouped.fp8_input(tokens, w, backend=backend).take_rows(token_of_row)
+        y = ops.grouped_linear(rows, w, gs, fmt="fp8-block", backward=backward, backend=backend, x_fp8=x_fp8)
         return jnp.sum(y.astype(jnp.float32) * c), y
 
     (_, y_pre), g_pre = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(tokens, w, True)
@@ -159,12 +159,13 @@ def test_fp8_input_quantized_before_the_gather_gives_the_same_bits(backward):
 
 
 def test_bad_fp8_input():
+    from jaxrl_fp8.ops.operands import FP8Act
+
     x, w = _data(12, 8, 4, 128, 256)
     gs = jnp.asarray([8, 0, 0, 0], jnp.int32)
     q, scale = quantize_fp8_per_token_group(x, 128)
-    with pytest.raises(ValueError, match="x_fp8"):
-        ops.grouped_linear(x, w, gs, fmt="fp8-block", backend="xla", x_fp8=(q[:4], scale[:4]))
-    with pytest.raises(ValueError, match="x_fp8"):
-        ops.grouped_linear(x, w, gs, fmt="fp8-block", backend="xla", x_fp8=(q.astype(jnp.float32), scale))
+    for bad in (FP8Act(q[:4], scale[:4]), FP8Act(q.astype(jnp.float32), scale), FP8Act(q), FP8Act(q, None, scale.T[:, :4])):
+        with pytest.raises(ValueError, match="x_fp8"):
+            ops.grouped_linear(x, w, gs, fmt="fp8-block", backend="xla", x_fp8=bad)
     # other formats ignore it
-    ops.grouped_linear(x, w, gs, fmt="bf16", backend="xla", x_fp8=(q[:4], scale[:4]))
+    ops.grouped_linear(x, w, gs, fmt="bf16", backend="xla", x_fp8=FP8Act(q[:4], scale[:4]))

@@ -70,6 +70,25 @@ def test_bad_shapes_raise_clear_errors():
         gemm_dense.block_scaled_matmul(xq.astype(jnp.bfloat16), sa, wq, sb, interpret=True)
 
 
+def test_interpret_scales_in_the_kernel_layout_give_the_same_bits():
+    """a_scale_op (A's scales as the quantizer writes them for the kernel, [K/128, >= Mp]) instead of a_scale: the
+    same output bits; a wider padding than the row block is accepted; a wrong layout is named."""
+    from pallas_kernels import quantize as Q
+
+    xq, sa, wq, sb = _operands(5, 130, 128, 256)
+    want = np.asarray(gemm_dense.block_scaled_matmul(xq, sa, wq, sb, interpret=True))
+    for mp in (256, 384):
+        op = jnp.pad(sa, [(0, mp - 130), (0, 0)]).T
+        np.testing.assert_array_equal(np.asarray(gemm_dense.block_scaled_matmul(xq, None, wq, sb, interpret=True, a_scale_op=op)), want)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((130, 256)), jnp.bfloat16)
+    q, op = Q.fp8_gemm_operand(x, interpret=True)
+    rq, rs = quantize_fp8_per_token_group(x, 128)
+    np.testing.assert_array_equal(np.asarray(gemm_dense.block_scaled_matmul(q, None, wq, sb, interpret=True, a_scale_op=op)),
+                                  np.asarray(gemm_dense.block_scaled_matmul(rq, rs, wq, sb, interpret=True)))
+    with pytest.raises(ValueError, match="a_scale_op"):
+        gemm_dense.block_scaled_matmul(xq, None, wq, sb, interpret=True, a_scale_op=sa)
+
+
 # ---- on the H200 --------------------------------------------------------------------------------------
 
 

@@ -80,6 +80,17 @@ def test_interpret_groups_straddling_blocks_and_partial_last_block(config):
     assert np.all(np.asarray(y)[279:] == 0)
 
 
+@SPLITS
+def test_interpret_scales_in_the_kernel_layout_give_the_same_bits(config):
+    """a_scale_op ([K/128, >= Mp], as the quantizer writes it) instead of a_scale: the same bits, both splits."""
+    xq, sa, wq, sb = _operands(7, 150, 4, 256, 256)
+    gs = jnp.asarray([30, 0, 100, 10], jnp.int32)
+    want = np.asarray(gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, interpret=True, config=config))
+    op = jnp.pad(sa, [(0, 256 - 150), (0, 0)]).T
+    got = gemm_grouped.grouped_block_scaled_matmul(xq, None, wq, sb, gs, interpret=True, config=config, a_scale_op=op)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 @pytest.mark.row_invariant_cpu
 def test_interpret_row_invariance_across_block_offsets():
     """The same rows give bit-identical results wherever the 128-row block boundaries fall."""

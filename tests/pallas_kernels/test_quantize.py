@@ -118,6 +118,55 @@ def test_per_token_group_rejects_bad_input():
         Q.fp8_per_token_group(jnp.ones((2, 128)), dtype=jnp.bfloat16, interpret=True)
 
 
+# ---- per-token group, scales in the GEMM kernels' layout ----------------------------------------------------------
+
+
+def assert_gemm_operand(x, rows_multiple, *, interpret):
+    """fp8_gemm_operand(x) == (the contract's codes, its scales transposed), the padding columns finite."""
+    q, scale_t = Q.fp8_gemm_operand(x, rows_multiple=rows_multiple, interpret=interpret)
+    rq, rs = (P.quantize_fp8_per_token_group(x, 128) if interpret else _cpu_reference(P.quantize_fp8_per_token_group, x, 128))
+    m = x.shape[0]
+    mp = -(-m // rows_multiple) * rows_multiple
+    assert scale_t.shape == (x.shape[1] // 128, mp) and scale_t.dtype == F32
+    assert_same(q, rq, "q")
+    assert_same(np.asarray(scale_t)[:, :m], np.asarray(rs).T, "scale_t")
+    assert np.isfinite(np.asarray(scale_t)[:, m:]).all()
+
+
+@pytest.mark.parametrize("shape,in_dtype,rows_multiple", [
+    ((1, 128), BF16, 128),  # M = 1: one row of 128 padding columns
+    ((37, 256), F32, 64),  # M off the 16-row TMA multiple; a 64-row block
+    ((130, 384), BF16, 128),  # three row bands, three groups
+    ((256, 2048), BF16, 128),  # a decode step's activation
+])
+def test_gemm_operand_interpret(shape, in_dtype, rows_multiple):
+    assert_gemm_operand(rand(shape, sum(shape), in_dtype), rows_multiple, interpret=True)
+
+
+def test_gemm_operand_edge_cases_interpret():
+    assert_gemm_operand(edge_cases(), 128, interpret=True)
+
+
+def test_gemm_operand_rejects_bad_input_and_lowers_for_cuda():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        Q.fp8_gemm_operand(jnp.ones((2, 300), BF16), interpret=True)
+    with pytest.raises(ValueError, match="rows_multiple"):
+        Q.fp8_gemm_operand(jnp.ones((2, 128), BF16), rows_multiple=96, interpret=True)
+    with pytest.raises(TypeError, match="int32"):
+        Q.fp8_gemm_operand(jnp.ones((2, 128), jnp.int32), interpret=True)
+    x = jax.ShapeDtypeStruct((2048, 768), BF16)
+    txt = jax.jit(lambda a: Q.fp8_gemm_operand(a)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,in_dtype", [((256, 2048), BF16), ((2048, 768), BF16), ((1, 4096), BF16), ((777, 1024), F32)])
+def test_gpu_gemm_operand(shape, in_dtype):
+    assert_gemm_operand(rand(shape, 4, in_dtype), 128, interpret=False)
+    assert_gemm_operand(jnp.concatenate([edge_cases(8, shape[1]), rand((40, shape[1]), 9)]).astype(in_dtype), 128,
+                        interpret=False)
+
+
 # ---- MXFP8 --------------------------------------------------------------------------------------------
 
 

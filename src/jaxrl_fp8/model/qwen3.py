@@ -181,8 +181,7 @@ class MoE(nnx.Module):
         run fp8-block. Same bits as quantizing the sorted rows (a group's scale sees only its own row)."""
         if {ctx.fmt(f"layers.{self.layer}.moe.{p}.weight") for p in ("gate_proj", "up_proj")} != {F.FP8_BLOCK}:
             return None
-        q, scale = matmul.grouped_fp8_input(x, self.gate_proj.weight.get_value())
-        return q[d.token_of_row], scale[d.token_of_row]
+        return matmul.grouped_fp8_input(x, self.gate_proj.weight.get_value()).take_rows(d.token_of_row)
 
     def __call__(self, x, ctx: _Ctx, replay=None):
         """x [N, H] -> (y [N, H], Routing)."""

@@ -12,10 +12,10 @@ from jaxrl_fp8.ops import grouping, high_precision, xla_gemm
 
 
 def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, backend: str, b_rows_per_scale: int = 128, out_dtype=jax.numpy.float32,
-                        b_scale_op=None):
+                        b_scale_op=None, a_scale_op=None):
     """C[M, N] = A[M, K] . B[N, K]^T, 1x128 scales on A, 128x128 (or 1x128) on B (`xla_gemm.block_scaled_matmul`).
-    b_scale_op: B's scales in the kernel's layout, made once (`operands.PreparedWeight.scale_op`); the XLA path
-    ignores it."""
+    b_scale_op: B's scales in the kernel's layout, made once (`operands.PreparedWeight.scale_op`); a_scale_op: A's
+    (`operands.fp8_act_gemm`; a_scale may then be None on a kernel backend). The XLA path ignores both."""
     if backend == "xla":
         return xla_gemm.block_scaled_matmul(a_q, a_scale, b_q, b_scale, b_rows_per_scale=b_rows_per_scale,
                                             out_dtype=out_dtype, block_dot=high_precision.block_dot())
@@ -23,21 +23,22 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, backend: str, b_rows_per_
 
     return gemm_dense.block_scaled_matmul(
         a_q, a_scale, b_q, b_scale, b_rows_per_scale=b_rows_per_scale, out_dtype=out_dtype, interpret=backend == "interpret",
-        b_scale_op=b_scale_op,
+        b_scale_op=b_scale_op, a_scale_op=a_scale_op,
     )
 
 
 def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, backend: str, out_dtype=jax.numpy.float32,
-                                b_scale_op=None):
+                                b_scale_op=None, a_scale_op=None):
     """Rows of group g times expert g's weight b_q[g] [N, K] (128x128 scales); rows past the groups are 0.
-    b_scale_op as in `block_scaled_matmul`."""
+    b_scale_op, a_scale_op as in `block_scaled_matmul`."""
     if backend == "xla":
         return grouping.grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype,
                                                     block_dot=high_precision.block_dot())
     from pallas_kernels import gemm_grouped
 
     return gemm_grouped.grouped_block_scaled_matmul(
-        a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype, interpret=backend == "interpret", b_scale_op=b_scale_op
+        a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype, interpret=backend == "interpret", b_scale_op=b_scale_op,
+        a_scale_op=a_scale_op,
     )
 
 

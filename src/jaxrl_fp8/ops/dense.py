@@ -58,11 +58,12 @@ def _forward(x, w, fmt, backend, out_dtype=F32):
         return high_precision_dot(x.astype(BF16), jnp.asarray(w).astype(BF16)), None
     if fmt == F.FP8_BLOCK:
         be = backends.resolve(backend, fmt, n, k)
-        xq, sa = O.fp8_act(x, be)
+        xa = O.fp8_act_gemm(x, be)
         wq, sb = O.fp8_weight(w, be)
         gemm_out = out_dtype if jnp.dtype(out_dtype) in _GEMM_OUT_DTYPES else F32
-        y = block_scaled.block_scaled_matmul(xq, sa, wq, sb, backend=be, out_dtype=gemm_out, b_scale_op=O.weight_scale_operand(w))
-        return y, (xq, sa, wq, sb)
+        y = block_scaled.block_scaled_matmul(xa.q, xa.scale, wq, sb, backend=be, out_dtype=gemm_out,
+                                             b_scale_op=O.weight_scale_operand(w), a_scale_op=xa.scale_op)
+        return y, (xa.q, xa.scales(), wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
     return high_precision_dot(xd, wd), (xd, wd)
 
@@ -88,8 +89,9 @@ def fp8_backward(g, x, wq_t, sb_t, backend, dx_dtype=F32, sb_t_op=None):
     m, n = g.shape
     k = x.shape[1]
     be = backends.resolve(backend, F.FP8_BLOCK, k, n)
-    gq, sg = O.fp8_act(g, be)
-    dx = block_scaled.block_scaled_matmul(gq, sg, wq_t, sb_t, backend=be, out_dtype=dx_dtype, b_scale_op=sb_t_op)
+    ga = O.fp8_act_gemm(g, be)
+    dx = block_scaled.block_scaled_matmul(ga.q, ga.scale, wq_t, sb_t, backend=be, out_dtype=dx_dtype, b_scale_op=sb_t_op,
+                                          a_scale_op=ga.scale_op)
     mp = -(-m // 128) * 128  # wgrad contracts over M, zero-padded to whole 128-row groups
     be = backends.resolve(backend, F.FP8_BLOCK, k, mp)
     gtq, sgt = O.fp8_act_transposed(g, be)  # == fp8_act(pad_rows(g, 128).T), without the transposed copy

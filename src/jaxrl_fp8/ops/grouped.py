@@ -21,10 +21,10 @@ def grouped_linear(x, w, group_sizes, *, fmt: str = "bf16", backward: str = "hig
     Rows past sum(group_sizes) are padding and get 0; empty groups are allowed. Only the rows of each
     expert are multiplied by that expert (never all experts on all rows). Formats and backward modes as in
     `ops.linear`.
-    x_fp8: fp8-block only, x's 1x128 FP8 operands (q [M, K] e4m3, scale [M, K/128]) when the caller already has
-      them, e.g. each token's groups quantized once and gathered to its k expert rows (`fp8_input` then a row
-      gather) instead of quantizing the k copies: the same bits, since a group's quantization sees only its own
-      row. No gradient flows through them (the backward uses x). Other formats ignore it.
+    x_fp8: fp8-block only, x's 1x128 FP8 operands (`operands.FP8Act`) when the caller already has them, e.g. each
+      token's groups quantized once and gathered to its k expert rows (`fp8_input(...).take_rows(rows)`) instead of
+      quantizing the k copies: the same bits, since a group's quantization sees only its own row. No gradient flows
+      through them (the backward uses x). Other formats ignore it.
     """
     O.check_args(fmt, backward, "ops.grouped_linear")
     backends.check_backend(backend)
@@ -36,26 +36,15 @@ def grouped_linear(x, w, group_sizes, *, fmt: str = "bf16", backward: str = "hig
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if x.shape[0] == 0:
         return jnp.zeros((0, n), out_dtype)
-    x_fp8 = _check_fp8_input(x_fp8, x) if fmt == F.FP8_BLOCK else None
+    x_fp8 = x_fp8.check(x, "ops.grouped_linear x_fp8") if fmt == F.FP8_BLOCK and x_fp8 is not None else None
     return _grouped(x, w, group_sizes, x_fp8, fmt, backward, backend, out_dtype)
 
 
-def fp8_input(x, w, backend: str | None = None):
-    """x's 1x128 FP8 operands (q, scale) as `grouped_linear(x, w, fmt="fp8-block")` would make them (same backend,
-    same bits), without a gradient: rows of x may be quantized before they are gathered into expert order."""
+def fp8_input(x, w, backend: str | None = None) -> O.FP8Act:
+    """x's 1x128 FP8 operands as `grouped_linear(x, w, fmt="fp8-block")` would make them (same backend, same bits),
+    without a gradient: rows of x may be quantized before they are gathered into expert order (`FP8Act.take_rows`)."""
     n, k = w.shape[-2:]
-    return O.fp8_act(jax.lax.stop_gradient(x), backends.resolve(backend, F.FP8_BLOCK, n, k))
-
-
-def _check_fp8_input(x_fp8, x):
-    if x_fp8 is None:
-        return None
-    q, scale = x_fp8
-    want = (x.shape[0], -(-x.shape[1] // F.FP8_ACT_GROUP))
-    if q.shape != x.shape or q.dtype != jnp.float8_e4m3fn or scale.shape != want:
-        raise ValueError(f"ops.grouped_linear x_fp8: expected q {list(x.shape)} float8_e4m3fn and scale {list(want)}, "
-                         f"got q {list(q.shape)} {q.dtype} and scale {list(scale.shape)}")
-    return q, scale
+    return O.fp8_act_gemm(jax.lax.stop_gradient(x), backends.resolve(backend, F.FP8_BLOCK, n, k))
 
 
 def _bf16_dot(x, w, gs, backend, layout="nk", out_dtype=jnp.float32):
@@ -72,14 +61,14 @@ def _forward(x, w, gs, fmt, backend, out_dtype, x_fp8=None):
         return _bf16_dot(x, jnp.asarray(w), gs, backend, out_dtype=out_dtype), None
     if fmt == F.FP8_BLOCK:
         be = backends.resolve(backend, fmt, n, k)
-        xq, sa = x_fp8 if x_fp8 is not None else O.fp8_act(x, be)
+        xa = x_fp8 if x_fp8 is not None else O.fp8_act_gemm(x, be)
         wq, sb = O.fp8_weight(w, be)
         # the kernel rounds its float32 tiles to out_dtype as it stores them (round to nearest even, the convert XLA
         # would run after it): the same values without a float32 [M, N] round trip through memory and a convert
         # kernel, and a staging tile of out_dtype in shared memory
-        y = block_scaled.grouped_block_scaled_matmul(xq, sa, wq, sb, gs, backend=be, out_dtype=out_dtype,
-                                                     b_scale_op=O.weight_scale_operand(w))
-        return y, (xq, sa, wq, sb)
+        y = block_scaled.grouped_block_scaled_matmul(xa.q, xa.scale, wq, sb, gs, backend=be, out_dtype=out_dtype,
+                                                     b_scale_op=O.weight_scale_operand(w), a_scale_op=xa.scale_op)
+        return y, (xa.q, xa.scales(), wq, sb)
     xd, wd = O.emulated_operands(x, w, fmt)
     return _bf16_dot(xd, wd, gs, backend, out_dtype=out_dtype), (xd, wd)
 
@@ -108,9 +97,10 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
     if backward == "fp8":
         be, be_fwd = backends.resolve(backend, F.FP8_BLOCK, k, n), backends.resolve(backend, F.FP8_BLOCK, n, k)
         wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w, be_fwd)
-        gq, sg = O.fp8_act(g, be)
-        dx = block_scaled.grouped_block_scaled_matmul(gq, sg, *O.fp8_dgrad_weight(w, wq, sb), gs, backend=be,
-                                                      b_scale_op=O.weight_scale_operand(w, transposed=True))
+        ga = O.fp8_act_gemm(g, be)
+        dx = block_scaled.grouped_block_scaled_matmul(ga.q, ga.scale, *O.fp8_dgrad_weight(w, wq, sb), gs, backend=be,
+                                                      b_scale_op=O.weight_scale_operand(w, transposed=True),
+                                                      a_scale_op=ga.scale_op)
         xm = _rows_in_groups(x, gs)
         gtq, sgt = O.fp8_act_transposed(g, be)
         xtq, sxt = O.fp8_act_transposed(xm, be)

@@ -94,6 +94,64 @@ def fp8_act(x, backend: str | None = None):
     return quantize_fp8_per_token_group(x, F.FP8_ACT_GROUP)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FP8Act:
+    """An activation's 1x128 FP8 operands for the FP8 GEMMs (`fp8_act_gemm`): q [M, K] e4m3 with its scales as
+    [M, K/128] (`scale`, the contract's layout) or as the GEMM kernels load them (`scale_op` [K/128, Mp], M padded
+    to `gemm_dense.A_ROW_BLOCK`), one of the two or both."""
+
+    q: jax.Array
+    scale: jax.Array | None = None
+    scale_op: jax.Array | None = None
+
+    def scales(self) -> jax.Array:
+        """[M, K/128] (a transpose of scale_op's first M columns when only that layout is held)."""
+        return self.scale if self.scale is not None else self.scale_op[:, : self.q.shape[0]].T
+
+    def take_rows(self, rows: jax.Array) -> "FP8Act":
+        """The operands of x[rows] (each row's groups are its own: the same bits as quantizing the gathered rows)."""
+        scale_op = None
+        if self.scale_op is not None:
+            from pallas_kernels.gemm_dense import A_ROW_BLOCK
+
+            pad = (-rows.shape[0]) % A_ROW_BLOCK
+            scale_op = jnp.pad(self.scale_op[:, rows], [(0, 0), (0, pad)])
+        return FP8Act(self.q[rows], None if self.scale is None else self.scale[rows], scale_op)
+
+    def check(self, x, where: str) -> "FP8Act":
+        want = (x.shape[0], -(-x.shape[1] // F.FP8_ACT_GROUP))
+        ok = self.q.shape == x.shape and self.q.dtype == jnp.float8_e4m3fn and (self.scale is not None or self.scale_op is not None)
+        ok = ok and (self.scale is None or self.scale.shape == want)
+        ok = ok and (self.scale_op is None or (self.scale_op.shape[0] == want[1] and self.scale_op.shape[1] >= want[0]))
+        if not ok:
+            got = {k: None if v is None else f"{v.dtype}{list(v.shape)}" for k, v in vars(self).items()}
+            raise ValueError(f"{where}: expected q {list(x.shape)} float8_e4m3fn with scale {list(want)} or scale_op "
+                             f"[{want[1]}, >= {want[0]}]; got {got}")
+        return self
+
+
+def fp8_act_gemm(x, backend: str) -> FP8Act:
+    """x [M, K]'s 1x128 FP8 operands for one FP8 GEMM on `backend`.
+
+    On the Mosaic backend the quantization kernel writes the scales in the GEMM kernels' layout (`scale_op`, via
+    `quantize.fp8_gemm_operand`): no transpose kernel per product. In interpret mode scale_op is the contract's
+    scales padded and transposed (the layout the kernel writes; tests). On the XLA path the contract's (q, scale)."""
+    if backend == "xla" or jnp.dtype(x.dtype) not in _KERNEL_INPUTS or x.ndim != 2 or x.shape[-1] % F.FP8_ACT_GROUP:
+        return FP8Act(*fp8_act(x, backend))
+    from pallas_kernels import gemm_dense
+
+    rows = gemm_dense.A_ROW_BLOCK
+    if backend == "mosaic":
+        from pallas_kernels import quantize as K
+
+        q, scale_op = K.fp8_gemm_operand(x, rows_multiple=rows)
+        return FP8Act(q, None, scale_op)
+    q, scale = fp8_act(x, backend)
+    mp = -(-x.shape[0] // rows) * rows
+    return FP8Act(q, scale, gemm_dense.a_scale_operand(scale, None, x.shape[0], scale.shape[1], mp, "ops.operands.fp8_act_gemm"))
+
+
 def fp8_act_transposed(x, backend: str | None = None):
     """x [M, K] -> 1x128 FP8 groups of pad_rows(x, 128).T along M: (q [K, Mp], scale [K, Mp/128]) (wgrad operands).
 
