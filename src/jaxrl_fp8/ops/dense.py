@@ -63,7 +63,7 @@ def _forward(x, w, fmt, backend, out_dtype=F32):
         gemm_out = out_dtype if jnp.dtype(out_dtype) in _GEMM_OUT_DTYPES else F32
         y = block_scaled.block_scaled_matmul(xa.q, xa.scale, wq, sb, backend=be, out_dtype=gemm_out,
                                              b_scale_op=O.weight_scale_operand(w), a_scale_op=xa.scale_op)
-        return y, (xa.q, xa.scales(), wq, sb)
+        return y, (xa, wq, sb)  # scales in the contract's layout only if a backward asks (`FP8Act.scales`)
     xd, wd = O.emulated_operands(x, w, fmt)
     return high_precision_dot(xd, wd), (xd, wd)
 
@@ -103,7 +103,7 @@ def fp8_backward(g, x, wq_t, sb_t, backend, dx_dtype=F32, sb_t_op=None):
 def _linear_bwd(fmt, backward, backend, out_dtype, res, g):
     x, w, kept = res
     if backward == "fp8":
-        wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w, backends.resolve(backend, F.FP8_BLOCK, *_weight_nk(w)))
+        wq, sb = (kept[1], kept[2]) if kept is not None else O.fp8_weight(w, backends.resolve(backend, F.FP8_BLOCK, *_weight_nk(w)))
         dx, dw = fp8_backward(g, x, *O.fp8_dgrad_weight(w, wq, sb), backend, dx_dtype=x.dtype,
                               sb_t_op=O.weight_scale_operand(w, transposed=True))
     else:

@@ -68,7 +68,7 @@ def _forward(x, w, gs, fmt, backend, out_dtype, x_fp8=None):
         # kernel, and a staging tile of out_dtype in shared memory
         y = block_scaled.grouped_block_scaled_matmul(xa.q, xa.scale, wq, sb, gs, backend=be, out_dtype=out_dtype,
                                                      b_scale_op=O.weight_scale_operand(w), a_scale_op=xa.scale_op)
-        return y, (xa.q, xa.scales(), wq, sb)
+        return y, (xa, wq, sb)  # scales in the contract's layout only if a backward asks (`FP8Act.scales`)
     xd, wd = O.emulated_operands(x, w, fmt)
     return _bf16_dot(xd, wd, gs, backend, out_dtype=out_dtype), (xd, wd)
 
@@ -96,7 +96,7 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
     g = _rows_in_groups(g, gs)
     if backward == "fp8":
         be, be_fwd = backends.resolve(backend, F.FP8_BLOCK, k, n), backends.resolve(backend, F.FP8_BLOCK, n, k)
-        wq, sb = (kept[2], kept[3]) if kept is not None else O.fp8_weight(w, be_fwd)
+        wq, sb = (kept[1], kept[2]) if kept is not None else O.fp8_weight(w, be_fwd)
         ga = O.fp8_act_gemm(g, be)
         dx = block_scaled.grouped_block_scaled_matmul(ga.q, ga.scale, *O.fp8_dgrad_weight(w, wq, sb), gs, backend=be,
                                                       b_scale_op=O.weight_scale_operand(w, transposed=True),

@@ -246,7 +246,8 @@ def backward_operands(backward: str, fmt: str, x, w, kept):
         if fmt == F.FP8_BLOCK:
             from jaxrl_fp8.precision.fp8 import dequantize_fp8_per_block, dequantize_fp8_per_token_group
 
-            xq, sa, wq, sb = kept
-            return dequantize_fp8_per_token_group(xq, sa, F.FP8_ACT_GROUP), dequantize_fp8_per_block(wq, sb, F.FP8_BLOCK_WEIGHT)
+            xa, wq, sb = kept  # the forward's FP8Act and weight operands
+            return (dequantize_fp8_per_token_group(xa.q, xa.scales(), F.FP8_ACT_GROUP),
+                    dequantize_fp8_per_block(wq, sb, F.FP8_BLOCK_WEIGHT))
         return kept
     return x, weight_values(w)
