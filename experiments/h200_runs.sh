@@ -51,7 +51,8 @@
 #   bash experiments/h200_runs.sh sampler_workload  # (~7 min) the two-level sampler and the counted MoE dispatch: their
 #                                            # GPU tests, the sampler beside its one-level anchor at 256 rows, the rollout
 #                                            # workload (bf16, fp8_block; measured 2026-12-07 on an H100 in 324 s)
-#   bash experiments/h200_runs.sh pending_bits  # (~2 min) the GPU bits of the new FP8 activation path (run first)
+#   bash experiments/h200_runs.sh pending_bits  # (~6 min) the GPU bits of the new FP8 activation path (run first), then
+#                                            # dense_decode (the decode step's dense FP8 GEMM tilings, in-program timing)
 #   bash experiments/h200_runs.sh pending    # (~9 min) what the last build left unmeasured: the rollout workload, three
 #                                            # recipes, two passes (fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2)
 #   bash experiments/h200_runs.sh pending_decode  # (~6 min) the rollout side at once: the
@@ -268,12 +269,13 @@ case "${1:-}" in
       --out "$OUT/vocab_side_$(card_name).json" 2>&1 | quiet | grep -E "^noise|rror"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-330}" $PY experiments/benchmarks/rollout_workload.py \
       --recipes bf16,fp8_block --schedulers continuous --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -14 ;;
-  pending_bits)  # (~2 min) the GPU bits of this build's new FP8 activation path (the quantizer writing the GEMMs'
+  pending_bits)  # (~6 min) the GPU bits of this build's new FP8 activation path (the quantizer writing the GEMMs'
                  # scale layout; tokens quantized before the MoE gather): the kernel == contract, and the unified
                  # recipes' rollout == trainer
     timeout 150 $PY -m pytest -q -m gpu tests/pallas_kernels/test_quantize.py::test_gpu_gemm_operand \
       tests/rollout/test_embedded_mismatch_gpu.py::test_gpu_split3_unified_recipes_bitwise -p no:cacheprovider 2>&1 \
-      | quiet | tail -3 ;;
+      | quiet | tail -3
+    bash "$0" dense_decode ;;  # (~4 min) the decode step's dense FP8 GEMMs: tilings beside our BF16 kernel
   pending)  # (~9 min) the rollout workload with three recipes and steady figures from a second pass (2026-12-07
             # single pass, before the new FP8 activation path: fp8_block 1.258x, fp8_block_kv 1.277x); run
             # pending_bits first

@@ -1,7 +1,10 @@
-"""Shared pytest set-up: GPU-marked tests skip (with the reason) when no CUDA device is visible."""
+"""Shared pytest set-up: one persistent compilation cache per run, compiled programs dropped after each test file,
+GPU-marked tests skipped (with the reason) when no CUDA device is visible."""
 
+import gc
 import os
 import tempfile
+import warnings
 
 import pytest
 
@@ -24,6 +27,31 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # CpuPjRtRawLoadedExecutable::Execute). Inline dispatch holds a slot only while a computation runs. Read when the
 # CPU client is created, so before any test touches JAX.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program when a test file ends. Each XLA:CPU executable keeps ~3 memory mappings while
+    any jit cache holds it, and one xdist worker compiles tens of thousands (Mosaic GPU interpret mode jits inside
+    its callbacks): past `vm.max_map_count` (65530 by default) LLVM cannot map the next one and the worker aborts
+    (seen in CI at 91 %, inside the persistent cache's deserialization; here a worker reached 53k mappings without
+    this, 15k with it). Later files recompile what they share, mostly from the persistent cache."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+    mappings, limit = _memory_mappings()
+    if mappings > 0.8 * limit:
+        warnings.warn(f"this worker still holds {mappings} memory mappings after a test file (vm.max_map_count "
+                      f"{limit}): past it the next compile aborts the worker")
+
+
+def _memory_mappings() -> tuple[int, int]:
+    """(this process's memory mappings, the kernel's vm.max_map_count); (0, 1) where /proc does not say."""
+    try:
+        with open(f"/proc/{os.getpid()}/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except (OSError, ValueError):
+        return 0, 1
 
 
 def _has_gpu() -> bool:
