@@ -53,6 +53,9 @@
 #                                            # workload (bf16, fp8_block; measured 2026-12-07 on an H100 in 324 s)
 #   bash experiments/h200_runs.sh pending_bits  # (~6 min) the GPU bits of the new FP8 activation path (run first), then
 #                                            # dense_decode (the decode step's dense FP8 GEMM tilings, in-program timing)
+#   bash experiments/h200_runs.sh device_loops  # (~8 min) A/B: the decode while loop relaunched by the host every
+#                                            # step (XLA's default) vs one CUDA graph with conditional nodes
+#                                            # (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL), bf16 + fp8_block
 #   bash experiments/h200_runs.sh pending    # (~9 min) what the last build left unmeasured: the rollout workload, three
 #                                            # recipes, two passes (fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2)
 #   bash experiments/h200_runs.sh pending_decode  # (~6 min) the rollout side at once: the
@@ -307,6 +310,19 @@ case "${1:-}" in
       2>&1 | tee "$OUT/fp8_kv_gpu_tests.log" | grep -E "passed|failed|rror"
     timeout 200 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 --decode-lengths 512,1024,4096 \
       --fp8-kv --out "$OUT/attention_fp8_kv_$(card_name).json" 2>&1 | quiet | grep -E "^decode|rror" ;;
+  device_loops)  # (~8 min) A/B of where the decode loop's host round trip goes: XLA's default command buffers (the
+    # while loop's body is one CUDA graph; the host reads the loop predicate and relaunches every step: ~0.15 ms of
+    # wall beyond the kernels a 4-layer step, step_profile_decode256) against +WHILE,+CONDITIONAL (the whole loop one
+    # graph with conditional nodes, no host per step). Same bits by construction (same kernels). A shortened workload
+    # (256 rows, responses up to 2k) and the 256-row decode step, bf16 and fp8_block, each setting its own process
+    # -> $OUT/rollout_workload_loops_{host,device}_<card>.json (xla_flags in each header)
+    for where in host device; do
+      flags=""; [ "$where" = device ] && flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-270}" \
+        $PY experiments/benchmarks/rollout_workload.py --recipes fp8_block,bf16 --schedulers continuous --prompts 16 \
+        --max-len 2048 --median-len 512 --out "$OUT/rollout_workload_loops_${where}_$(card_name).json" 2>&1 | quiet \
+        | grep -E "continuous|decode step|over_bf16|rror" | sed "s/^/$where: /"
+    done ;;
   fp8_kv_workload)  # (~7 min) the rollout workload with bf16, fp8_block and fp8_block_kv (continuous; decode step also at
     # 1280-token prompts) -> $OUT/rollout_workload_<card>.json (fp8_kv_over_bf16 beside fp8_over_bf16)
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-540}" $PY experiments/benchmarks/rollout_workload.py \

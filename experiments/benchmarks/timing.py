@@ -97,11 +97,13 @@ def write_results(path: str, obj) -> None:
 
 
 def run_header(script: str, argv=None) -> dict:
-    """What every result JSON opens with: date (UTC), the command that made it, the device and the versions."""
+    """What every result JSON opens with: date (UTC), the command that made it, the device, the versions and the XLA
+    flags (the contract's own, and any A/B flag a run set: e.g. where the command buffers end)."""
     dev = jax.devices()[0]
     args = argv if argv is not None else sys.argv[1:]
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": f"python experiments/benchmarks/{script} " + " ".join(args),
             "device": {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count()},
             "versions": {"python": platform.python_version(), "jax": jax.__version__,
-                         "jaxlib": importlib.metadata.version("jaxlib"), "flax": importlib.metadata.version("flax")}}
+                         "jaxlib": importlib.metadata.version("jaxlib"), "flax": importlib.metadata.version("flax")},
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
