@@ -14,6 +14,17 @@ import pytest
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"jaxrl_fp8_tests_jax_cache_{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
+# Mosaic GPU's interpreter runs each warpgroup of a kernel as its own jitted computation on its own Python thread,
+# from inside a host callback, and the warpgroups meet at barriers inside further callbacks. XLA:CPU may run any of
+# those computations on its intra-op pool, which has one thread per core by default: on a 2-core host the kernel's
+# callback and one warpgroup parked at a barrier hold both pool threads while the warpgroup they wait for queues for
+# one, forever (CI: a worker silent in `tests/pallas_kernels/test_gemm_grouped.py` until pytest-timeout killed it at
+# 900 s, "node down", and the run passed its time limit; reproduced here, and with PJRT_NPROC=1 every time). A kernel
+# needs at most 1 + its warpgroups (3) pool threads, two concurrent kernels twice that: 16 leaves room. PJRT_NPROC
+# sizes the pool; read when the CPU client is created, so before any test touches JAX. Training processes the tests
+# start inherit it.
+os.environ.setdefault("PJRT_NPROC", str(max(16, os.cpu_count() or 1)))
+
 import jaxrl_fp8  # noqa: F401  (first: sets the XLA flags of the precision contract before JAX starts)
 
 import jax  # noqa: E402  (after jaxrl_fp8, see above)
