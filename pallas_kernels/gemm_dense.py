@@ -12,8 +12,9 @@ tile_m rows of a (2 * tile_m) x tile_n CTA tile), and a TMA-store epilogue. Prom
 tensor core's work: with two K blocks per step a warpgroup issues the second block's wgmma before promoting
 the first, and the two compute warpgroups interleave.
 
-Row invariance: the tile configuration depends on N and K only, never on M, and the K blocks are
-accumulated in order, so a row's result does not depend on how many rows are in the batch.
+Row invariance: every tiling runs the same 64-row wgmma per K block and accumulates the K blocks in order, so a
+row's result does not depend on how many rows are in the batch, although a decode batch (M <= 256) gets narrower
+column tiles than a training batch (`default_config`).
 """
 
 from __future__ import annotations
@@ -83,15 +84,29 @@ class GemmConfig:
             raise ValueError(f"{where}: K={k} is not a multiple of {BLOCK_K * self.k_blocks_per_step} (k_blocks_per_step)")
 
 
-def default_config(n: int, k: int) -> GemmConfig:
-    """Tiles chosen from the weight shape only, never from M (measured on the H200, NOTES_gemm.md).
+DECODE_ROWS = 256  # the largest M that `default_config` tiles by its rows (the decode batches it was measured at)
+ONE_WAVE_CTAS = 132  # SMs of an H100 SXM / H200: output tiles one persistent wave covers
+DECODE_TILES = ((32, 8), (64, 4), (128, 4))  # (tile_n, stages), narrowest first
 
-    Shallow K (fewer than 16 blocks, e.g. the MoE down projection, K = 768) keeps one K block per step and four
-    stages; deeper K takes two blocks per step (two stages: three would need 235 KB of shared memory with the
-    BF16 epilogue, the limit is 227 KB). Neither choice changes any row's arithmetic: the K blocks are promoted
-    in the same order either way, so the choice may differ between shapes without breaking row invariance.
+
+def default_config(n: int, k: int, m: int | None = None) -> GemmConfig:
+    """The tiling for a weight [N, K] (and, for a decode batch, its M rows); measured, NOTES_gemm.md and
+    `results/gemm_dense_decode_<card>.json`.
+
+    Shape only (m None or above DECODE_ROWS): shallow K (fewer than 16 blocks, e.g. the MoE down projection,
+    K = 768) keeps one K block per step and four stages; deeper K takes two blocks per step (two stages: three
+    would need 235 KB of shared memory with the BF16 epilogue, the limit is 227 KB).
+    Decode (m <= DECODE_ROWS): a 128-column tile leaves most SMs idle (256 rows x 2048 columns is 32 tiles), so
+    the narrowest column tile whose output fits one wave of CTAs, with the deepest ring that fits (1.2-1.4x on the
+    decode step's q/k/v and o products). None of these choices changes any row's arithmetic: every tile runs the
+    same 64-row wgmma per K block and promotes the blocks in the same order (bitwise equal on the GPU,
+    `bitwise_vs_first_config`), so a row's bits do not depend on how many rows share its batch.
     """
-    del n
+    if m is not None and m <= DECODE_ROWS:
+        row_tiles = -(-m // 128)
+        for tile_n, stages in DECODE_TILES:
+            if n % tile_n == 0 and row_tiles * (n // tile_n) <= ONE_WAVE_CTAS:
+                return GemmConfig(tile_n=tile_n, max_concurrent_steps=stages, grid_tile_width=16, grid_minor_dim=0)
     if k // BLOCK_K < 16 or k % (2 * BLOCK_K):
         return GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
     return GemmConfig(max_concurrent_steps=2, k_blocks_per_step=2)
@@ -128,11 +143,12 @@ def b_scale_operand(b_scale, n: int, b_rows_per_scale: int, cfg: GemmConfig):
     return jnp.swapaxes(s, -1, -2)
 
 
-def weight_scale_operand(b_scale, n: int, k: int, cfg: GemmConfig | None = None):
+def weight_scale_operand(b_scale, n: int, k: int, cfg: GemmConfig | None = None, *, rows: int | None = None):
     """A weight's 128x128-block scales [..., N/128, K/128] as `block_scaled_matmul` loads them under the config it
-    picks for (n, k) (`b_scale_operand`). Made once for a weight that many calls multiply (decode steps,
-    micro-batches) and passed as `b_scale_op`: XLA does not hoist the broadcast out of a loop."""
-    return b_scale_operand(b_scale, n, BLOCK_K, cfg or default_config(n, k))
+    picks for (n, k) and `rows` (`b_scale_operand`; rows None: a batch of unknown or training size). Made once for a
+    weight that many calls multiply (decode steps, micro-batches) and passed as `b_scale_op`: XLA does not hoist the
+    broadcast out of a loop."""
+    return b_scale_operand(b_scale, n, BLOCK_K, cfg or default_config(n, k, rows))
 
 
 def checked_scale_operand(b_scale, b_scale_op, n: int, b_rows_per_scale: int, cfg: GemmConfig, where: str):
@@ -345,6 +361,20 @@ def check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale: int, where: str
         raise ValueError(f"{where}: b_scale must be {want} ({b_rows_per_scale} rows per scale); got {b_scale.shape}")
 
 
+def _config_for(b_scale, b_scale_op, n: int, k: int, m: int, b_rows_per_scale: int) -> GemmConfig:
+    """`default_config` for these rows, unless a `b_scale_op` made for another batch size (`weight_scale_operand`
+    with rows=None, e.g. a trainer's weight in a small batch) holds another layout: then the shape-only config, which
+    it was made for (same bits either way), rather than a relayout in every call."""
+    cfg = default_config(n, k, m)
+    if b_scale_op is None:
+        return cfg
+    made_for = lambda c: jax.eval_shape(lambda s: b_scale_operand(s, n, b_rows_per_scale, c), b_scale).shape
+    shape_only = default_config(n, k)
+    if b_scale_op.shape != made_for(cfg) and b_scale_op.shape == made_for(shape_only):
+        return shape_only
+    return cfg
+
+
 @traced_once("b_rows_per_scale", "out_dtype", "interpret", "config")
 def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 128, out_dtype=F32, interpret: bool = False,
                         config: GemmConfig | None = None, b_scale_op=None, a_scale_op=None):
@@ -354,7 +384,7 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, b_rows_per_scale: int = 1
     check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale, "gemm_dense.block_scaled_matmul")
     m, k = a_q.shape
     n = b_q.shape[0]
-    cfg = config or default_config(n, k)
+    cfg = config or _config_for(b_scale, b_scale_op, n, k, m, b_rows_per_scale)
     cfg.check(k, "gemm_dense.block_scaled_matmul")
     if cfg.split != "rows":
         raise ValueError(f"gemm_dense.block_scaled_matmul: split {cfg.split!r} is the grouped kernel's; the dense kernel splits rows")

@@ -45,6 +45,46 @@ def test_interpret_tilings_compute_the_same_block_math(cfg, rows):
     assert R.rel_err(y, R.block_scaled_matmul(xq, sa, wq, sb, rows)) < 1e-6
 
 
+def test_decode_batches_get_the_narrowest_column_tile_of_one_wave():
+    """M <= 256: the narrowest column tile whose output tiles fit 132 CTAs (the shapes measured on the GPU: the stacked
+    q/k/v [5120, 2048] and o [2048, 4096] at 64 and 256 rows); larger M: the shape-only tiling."""
+    assert gemm_dense.default_config(5120, 2048, 64) == C(tile_n=64, max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
+    assert gemm_dense.default_config(5120, 2048, 256) == C(tile_n=128, max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
+    assert gemm_dense.default_config(2048, 4096, 256) == C(tile_n=32, max_concurrent_steps=8, grid_tile_width=16, grid_minor_dim=0)
+    assert gemm_dense.default_config(2048, 4096, 1).tile_n == 32
+    assert gemm_dense.default_config(2048, 4096, 257) == gemm_dense.default_config(2048, 4096) == C(max_concurrent_steps=2, k_blocks_per_step=2)
+    assert gemm_dense.default_config(151936, 2048, 64) == gemm_dense.default_config(151936, 2048)  # no tile fits one wave
+
+
+@pytest.mark.parametrize("m", [1, 64, 200])
+def test_interpret_decode_tilings_compute_the_training_tilings_block_math(m):
+    """A decode batch takes narrower column tiles (and per-column scales) than a training batch. On the GPU a row's
+    bits are the same either way (`test_gpu_row_invariance_bitwise`); the interpreter's XLA:CPU rounds the promotion's
+    multiply-add differently per tile shape (measured: a few elements in 2048 one float32 ulp apart), so here the
+    rows agree to float32 rounding."""
+    xq, sa, wq, sb = _operands(13, 300, 256, 384)
+    assert gemm_dense.default_config(256, 384, m).tile_n == 32 and gemm_dense.default_config(256, 384, 300).tile_n == 128
+    full = np.asarray(gemm_dense.block_scaled_matmul(xq, sa, wq, sb, interpret=True))
+    part = np.asarray(gemm_dense.block_scaled_matmul(xq[:m], sa[:m], wq, sb, interpret=True))
+    np.testing.assert_allclose(part, full[:m], rtol=1e-6, atol=1e-6 * np.abs(full).max())
+
+
+def test_scales_laid_out_for_another_batch_size_pick_their_tiling():
+    """A b_scale_op made for any batch (rows=None, the trainer's) in a decode-sized call keeps the shape-only tiling;
+    one made for the decode rows gets the decode tiling: each gives the bits of its tiling with scales laid out in
+    the call."""
+    xq, sa, wq, sb = _operands(14, 8, 256, 384)
+    for rows in (None, 8):
+        op = gemm_dense.weight_scale_operand(sb, 256, 384, rows=rows)
+        got = gemm_dense.block_scaled_matmul(xq, sa, wq, sb, interpret=True, b_scale_op=op)
+        want = gemm_dense.block_scaled_matmul(xq, sa, wq, sb, interpret=True, config=gemm_dense.default_config(256, 384, rows))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert gemm_dense.weight_scale_operand(sb, 256, 384, rows=8).shape == (3, 256)  # per-column scales
+    assert gemm_dense.weight_scale_operand(sb, 256, 384).shape == (2, 3, 128)  # one per row block
+    with pytest.raises(ValueError, match="b_scale_op"):
+        gemm_dense.block_scaled_matmul(xq, sa, wq, sb, interpret=True, b_scale_op=sb[None])
+
+
 def test_config_checks_k_against_the_step():
     xq, sa, wq, sb = _operands(12, 8, 128, 384)
     with pytest.raises(ValueError, match="k_blocks_per_step"):
@@ -104,10 +144,15 @@ def test_gpu_matches_float64(m, n, k, rows):
 
 
 @pytest.mark.gpu
-def test_gpu_row_invariance_bitwise():
-    xq, sa, wq, sb = _operands(5, 777, 2048, 2048)
-    f = jax.jit(lambda a, s: gemm_dense.block_scaled_matmul(a, s, wq, sb, out_dtype=jnp.bfloat16))
-    full = np.asarray(f(xq, sa))
-    for i in [0, 300, 776]:
-        np.testing.assert_array_equal(np.asarray(f(xq[i : i + 1], sa[i : i + 1]))[0], full[i])
-    np.testing.assert_array_equal(np.asarray(f(xq[:64], sa[:64])), full[:64])
+@pytest.mark.parametrize("n,k", [(2048, 2048), (5120, 2048), (2048, 4096)])
+def test_gpu_row_invariance_bitwise(n, k):
+    """A row's bits alone, in a decode batch (M <= 256: narrower column tiles, `default_config`) and in a training
+    batch, float32 and BF16 out; the decode step's stacked q/k/v and o shapes among them."""
+    xq, sa, wq, sb = _operands(5, 777, n, k)
+    for out in (jnp.float32, jnp.bfloat16):
+        f = jax.jit(lambda a, s: gemm_dense.block_scaled_matmul(a, s, wq, sb, out_dtype=out))
+        full = np.asarray(f(xq, sa))
+        for i in [0, 300, 776]:
+            np.testing.assert_array_equal(np.asarray(f(xq[i : i + 1], sa[i : i + 1]))[0], full[i])
+        for m in (64, 256):
+            np.testing.assert_array_equal(np.asarray(f(xq[:m], sa[:m])), full[:m])

@@ -134,6 +134,7 @@ def test_interpret_ring_gives_the_dense_tile_routine_bits():
     bf16, K of 3 blocks (the ring's slots do not line up with tiles)."""
     xq, sa, wq, sb = _operands(11, 600, 4, 256, 384)
     gs = [128, 0, 256, 128]  # 512 rows in groups, 88 tail rows
+    tiling = gemm_dense.default_config(256, 384)
     for out_dtype in (jnp.float32, jnp.bfloat16):
         y = np.asarray(gemm_grouped.grouped_block_scaled_matmul(xq, sa, wq, sb, jnp.asarray(gs, jnp.int32), interpret=True,
                                                                 out_dtype=out_dtype).astype(jnp.float32))
@@ -141,7 +142,8 @@ def test_interpret_ring_gives_the_dense_tile_routine_bits():
         for g, size in enumerate(gs):
             if size:
                 rows = slice(start, start + size)
-                dense = gemm_dense.block_scaled_matmul(xq[rows], sa[rows], wq[g], sb[g], interpret=True, out_dtype=out_dtype)
+                dense = gemm_dense.block_scaled_matmul(xq[rows], sa[rows], wq[g], sb[g], interpret=True, out_dtype=out_dtype,
+                                                       config=tiling)  # the grouped kernel's tile, not a decode batch's
                 np.testing.assert_array_equal(y[rows].view(np.uint32), np.asarray(dense.astype(jnp.float32)).view(np.uint32))
             start += size
         assert np.all(y[512:] == 0)

@@ -97,13 +97,16 @@ def bf16_grouped_matmul(x, w, group_sizes, *, backend: str, layout: str = "nk", 
     )
 
 
-def _kernel_scale_operand(scale, n: int, k: int, backend: str):
-    """A weight's block scales in the layout its Mosaic GEMM loads (None on the XLA path, which takes them as they are)."""
+def _kernel_scale_operand(scale, n: int, k: int, backend: str, rows: int | None = None):
+    """A weight's block scales in the layout its Mosaic GEMM loads (None on the XLA path, which takes them as they are);
+    rows: the batch a dense weight is multiplied with, where it is fixed (a decode loop), else None."""
     if backend == "xla":
         return None
     from pallas_kernels import gemm_dense, gemm_grouped
 
-    return gemm_grouped.weight_scale_operand(scale) if scale.ndim == 3 else gemm_dense.weight_scale_operand(scale, n, k)
+    if scale.ndim == 3:
+        return gemm_grouped.weight_scale_operand(scale)
+    return gemm_dense.weight_scale_operand(scale, n, k, rows=rows)
 
 
 def fp8_weight_operands(w, backend: str | None = None, *, pow2_scale: bool = False):
@@ -124,13 +127,15 @@ def backend_of_array(x) -> str | None:
     return None if devices and all(d.platform == "gpu" for d in devices) else "xla"
 
 
-def prepare_fp8_weight(w, backend: str | None = None, *, dgrad: bool = False):
+def prepare_fp8_weight(w, backend: str | None = None, *, dgrad: bool = False, rows: int | None = None):
     """`w` [..., N, K] with its 128x128-block FP8 operands made on the backend ops would pick for its shape: an
     `operands.PreparedWeight` (its quantization, and on the Mosaic backend the kernel's layout of its scales, then
     run once, not in every forward that multiplies it).
     w: a weight (the PreparedWeight keeps it as `value`, the gradient's target) or an fp8-block QuantizedWeight
     (operands only, value None: the rollout engine's decode loop).
-    dgrad: also the transposed operands the fp8 backward's dgrad multiplies (`operands.fp8_dgrad_weight`)."""
+    dgrad: also the transposed operands the fp8 backward's dgrad multiplies (`operands.fp8_dgrad_weight`).
+    rows: the rows every product with `w` has (a decode loop's slots): the scale layout of the GEMM tiling for that
+    batch (`gemm_dense.default_config`); None for batches of any size."""
     quantized = isinstance(w, QuantizedWeight)
     if quantized and w.fmt != F.FP8_BLOCK:
         raise ValueError(f"ops.prepare_fp8_weight: a QuantizedWeight in {w.fmt!r}; only fp8-block operands are prepared")
@@ -138,7 +143,7 @@ def prepare_fp8_weight(w, backend: str | None = None, *, dgrad: bool = False):
     be = resolve(backend, F.FP8_BLOCK, n, k)
     q, scale = fp8_weight_operands(w, be)
     value = None if quantized else w
-    prepared = operands.PreparedWeight(value, q, scale, scale_op=_kernel_scale_operand(scale, n, k, be))
+    prepared = operands.PreparedWeight(value, q, scale, scale_op=_kernel_scale_operand(scale, n, k, be, rows))
     if not dgrad:
         return prepared
     q_t, scale_t = operands.fp8_dgrad_weight(w, q, scale)

@@ -80,17 +80,18 @@ def _on_mesh(placement, state, *row_arrays):
     return placement.constrain_weights(state), tuple(jax.tree.map(placement.constrain_rows, a) for a in row_arrays)
 
 
-def loop_operands(state, fuse: bool | None = None):
+def loop_operands(state, rows: int | None = None, fuse: bool | None = None):
     """`state` with its fp8-block rollout weights as `ops.operands.PreparedWeight`s (operands only), made once before
     a decode loop. On the Mosaic backend each carries its scales in the GEMM kernel's layout, which every kernel call
     would otherwise lay out again in every step: XLA does not hoist that broadcast out of the loop (7 XLA kernels a
     layer a decode step). The same e4m3 data and scales, so the same bits.
 
+    rows: the loop's batch (one token a row), whose GEMM tiling the scales are laid out for.
     fuse: stack the projections that share an input into one product (`model.fused`; None: where the GEMM kernels
     run, which keep each column's bits)."""
 
     def prepared(v):
-        return prepare_fp8_weight(v) if isinstance(v, QuantizedWeight) and v.fmt == F.FP8_BLOCK else v
+        return prepare_fp8_weight(v, rows=rows) if isinstance(v, QuantizedWeight) and v.fmt == F.FP8_BLOCK else v
 
     if fused.enabled_here() if fuse is None else fuse:
         state = fused.fuse_shared_inputs(state)
@@ -160,7 +161,7 @@ def _generate_while(graphdef, state, prompt_ids, prompt_lens, rows, page_table=N
     state, (rows,) = _on_mesh(placement, state, rows)  # gathered once per call, used by prefill and every step
     carry, prompt_routed = _prefill(graphdef, state, precision, prompt_ids, prompt_lens, rows, cache_len, max_new, dtype,
                                     placement, pages, page_table)
-    model = nnx.merge(graphdef, state if placement is not None else loop_operands(state))
+    model = nnx.merge(graphdef, state if placement is not None else loop_operands(state, prompt_ids.shape[0]))
     carry = lax.while_loop(_running, lambda c: _decode_step(model, precision, rows, c, placement), carry)
     return carry, prompt_routed
 
@@ -247,7 +248,7 @@ def decode_slots(graphdef, state, s: SlotState, max_steps, need_finished, *, pre
     finished during this call (rows wait for them). Returns (state, steps run, sum over steps of active slots).
     plain: every row of the call samples at temperature 1 (or greedy) without filters (`sampling.plain_sampling`):
     the step then has no conditional (`sample_with_logprobs(plain=...)`)."""
-    model = nnx.merge(graphdef, loop_operands(state))
+    model = nnx.merge(graphdef, loop_operands(state, s.tokens.shape[0]))
     done0 = s.done
 
     def running(c):
