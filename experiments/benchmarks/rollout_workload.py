@@ -16,7 +16,8 @@ Per recipe (bf16, fp8_block; fp8_block_kv adds the FP8 KV cache, `kv_cache="fp8"
   gives it all rows in one call, so it sorts them by the (here known) lengths into chunks: a lower bound;
 - the two must return the same samples bit for bit (recorded as `bitwise_equal`);
 - a decode-step measurement at `--slots` active rows: `--step-new` tokens after `--prompt-len`-token prompts,
-  (t(generate step_new) - t(generate 1)) / (step_new - 1), against the HBM roofline of the bytes a step reads
+  (t(generate step_new) - t(generate step_new / 2)) / (step_new / 2), medians of interleaved runs, against the HBM
+  roofline of the bytes those steps read
   (`--step-prompt-lens` adds points at longer caches, reported apart from the target's point)
   (weights in the rollout format, experts = those the batch routed to, measured; + the live KV), at the
   datasheet bandwidth and at the device-to-device copy bandwidth measured in the same run (as decode.py).
@@ -81,7 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--step-prompt-lens", default="",
                    help="comma list of longer prompt lengths for more decode-step points (the KV read of a step grows with "
                         "the cache; the workload's mean cache is ~1.3k tokens); the target's point stays at --prompt-len")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs of the step measurement (best reported)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of each length in the step measurement (medians reported, every run kept)")
     p.add_argument("--attention", default="auto", choices=["auto", "flash", "xla", "exact"])
     p.add_argument("--mode", default="bitwise", choices=["bitwise", "fast"],
                    help="bitwise: the engine as it ships (row-invariant products); fast: the non-bitwise engine for "
@@ -203,38 +205,43 @@ def same_bits(a, b) -> bool:
 
 def step_measurement(engine_cls, policy, engine_config, cfg, args, rng, bw_copy):
     """Decode step time at `--slots` active rows and its roofline (see the module docstring), on the continuous
-    engine of the workload (its response buffer holds step_new tokens, so the 1-token run has the same shapes)."""
+    engine of the workload (its response buffer holds step_new tokens, so the half-length run has the same shapes).
+    The step is the difference of two generates that pay the same prefill and per-call costs (step_new and
+    step_new / 2 tokens), medians over interleaved repeats: a 1-token run skips the decode loop, and its time varied
+    by 20-30 ms between runs of one build, which moved the step by 0.4 ms."""
     import dataclasses
 
     from jaxrl_fp8.rollout.types import SamplingParams
 
     n = args.step_new
+    h = n // 2
     engine = engine_cls(policy, engine_config=dataclasses.replace(
         engine_config, scheduler="continuous", progress=False, refill_every=max(n, engine_config.refill_every)))
     prompts = rng.integers(0, cfg.vocab_size, size=(args.slots, args.prompt_len)).tolist()
     full = SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=1)
-    one = SamplingParams(temperature=1.0, max_new_tokens=1, ignore_eos=True, seed=1)
+    half = SamplingParams(temperature=1.0, max_new_tokens=h, ignore_eos=True, seed=1)
     samples = engine.generate(prompts, full, return_routed_experts=True)  # compiles
-    engine.generate(prompts, one)
-    best_full = best_one = math.inf
+    engine.generate(prompts, half)
+    times_full, times_half = [], []
     for _ in range(args.repeats):
-        t = time.perf_counter()
-        engine.generate(prompts, full)
-        best_full = min(best_full, time.perf_counter() - t)
-        t = time.perf_counter()
-        engine.generate(prompts, one)
-        best_one = min(best_one, time.perf_counter() - t)
+        for params, times in ((full, times_full), (half, times_half)):
+            t = time.perf_counter()
+            engine.generate(prompts, params)
+            times.append(time.perf_counter() - t)
+    t_full, t_half = float(np.median(times_full)), float(np.median(times_half))
     touched = decode_bench.distinct_experts_per_step(samples, args.prompt_len, n, cfg.num_experts)
     cache_len = args.prompt_len + n
-    sb = decode_bench.step_bytes(engine, cfg, args.slots, args.prompt_len, n, cache_len, touched,
+    # the timed steps are the last n - h of the full run: their live caches start at prompt_len + h
+    sb = decode_bench.step_bytes(engine, cfg, args.slots, args.prompt_len + h, n - h, cache_len, touched,
                                  kv_itemsize=decode_bench.kv_itemsize(engine, cfg))
-    decode_s = best_full - best_one
-    step_s = decode_s / (n - 1) if decode_s > 0 and n > 1 else math.nan
+    decode_s = t_full - t_half
+    step_s = decode_s / (n - h) if decode_s > 0 and n > h else math.nan
     ideal = sb["weights_read"] + sb["kv_read_live"]
     roof_step_s = ideal / bw_copy
     return {
         "rows": args.slots, "prompt_len": args.prompt_len, "new_tokens": n,
-        "generate_s": best_full, "prefill_plus_one_token_s": best_one,
+        "generate_s": t_full, "generate_half_s": t_half, "timed_steps": n - h,
+        "generate_s_runs": times_full, "generate_half_s_runs": times_half,
         "step_ms": step_s * 1e3 if math.isfinite(step_s) else None,
         "bytes_per_step": sb, "experts_touched_per_layer": touched,
         "roofline_step_ms_at_copy_bw": roof_step_s * 1e3,
