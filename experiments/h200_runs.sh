@@ -51,11 +51,13 @@
 #   bash experiments/h200_runs.sh sampler_workload  # (~7 min) the two-level sampler and the counted MoE dispatch: their
 #                                            # GPU tests, the sampler beside its one-level anchor at 256 rows, the rollout
 #                                            # workload (bf16, fp8_block; measured 2026-12-07 on an H100 in 324 s)
-#   bash experiments/h200_runs.sh pending_bits  # (~6 min) the GPU bits of the new FP8 activation path (run first), then
-#                                            # dense_decode (the decode step's dense FP8 GEMM tilings, in-program timing)
+#   bash experiments/h200_runs.sh pending_bits  # (~6 min) the GPU bits of the decode batches' dense FP8 GEMM tiling:
+#                                            # the kernel's row invariance, then rollout == trainer, four recipes (run first)
+#   bash experiments/h200_runs.sh dense_decode  # (~2 min) the decode step's dense FP8 GEMM tilings, in-program timing
 #   bash experiments/h200_runs.sh device_loops  # (~8 min) A/B: the decode while loop relaunched by the host every
 #                                            # step (XLA's default) vs one CUDA graph with conditional nodes
-#                                            # (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL), bf16 + fp8_block
+#                                            # (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL), bf16 + fp8_block;
+#                                            # measured 2026-12-07: no difference
 #   bash experiments/h200_runs.sh pending    # (~9 min) what the last build left unmeasured: the rollout workload, three
 #                                            # recipes, two passes (fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2)
 #   bash experiments/h200_runs.sh pending_decode  # (~6 min) the rollout side at once: the
@@ -272,16 +274,14 @@ case "${1:-}" in
       --out "$OUT/vocab_side_$(card_name).json" 2>&1 | quiet | grep -E "^noise|rror"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-330}" $PY experiments/benchmarks/rollout_workload.py \
       --recipes bf16,fp8_block --schedulers continuous --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -14 ;;
-  pending_bits)  # (~6 min) the GPU bits of this build's new FP8 activation path (the quantizer writing the GEMMs'
-                 # scale layout; tokens quantized before the MoE gather): the kernel == contract, and the unified
-                 # recipes' rollout == trainer
-    timeout 150 $PY -m pytest -q -m gpu tests/pallas_kernels/test_quantize.py::test_gpu_gemm_operand \
-      tests/rollout/test_embedded_mismatch_gpu.py::test_gpu_split3_unified_recipes_bitwise -p no:cacheprovider 2>&1 \
-      | quiet | tail -3
-    bash "$0" dense_decode ;;  # (~4 min) the decode step's dense FP8 GEMMs: tilings beside our BF16 kernel
-  pending)  # (~9 min) the rollout workload with three recipes and steady figures from a second pass (2026-12-07
-            # single pass, before the new FP8 activation path: fp8_block 1.258x, fp8_block_kv 1.277x); run
-            # pending_bits first
+  pending_bits)  # (~6 min) the GPU bits of the decode batches' dense FP8 GEMM tiling (build 0e1fbca: its kernel rows were
+                 # checked on an H100, the unified recipes' rollout == trainer was cut off by a time limit after bf16):
+                 # the dense kernel's row invariance on the decode shapes, then rollout == trainer for the four recipes
+    timeout 450 $PY -m pytest -q -m gpu tests/pallas_kernels/test_gemm_dense.py \
+      tests/rollout/test_embedded_mismatch_gpu.py::test_gpu_split3_unified_recipes_bitwise -p no:cacheprovider --tb=short \
+      2>&1 | tee "$OUT/pending_bits.log" | tail -5 ;;
+  pending)  # (~9 min) the rollout workload with three recipes, two passes, and the decode step as the difference of a
+            # 64- and a 32-token run (medians; the 1-token subtraction before it was noisy): run pending_bits first
     bash "$0" fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2 ;;
   chains)  # (~5 min) promotion chains (a K block promoted under the next one's wgmma) in the FP8 grouped forward and
            # weight gradient: their GPU bit tests, then the grouped forward (chains of 2 / 1) and the wgrad suite
@@ -311,11 +311,10 @@ case "${1:-}" in
     timeout 200 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 --decode-lengths 512,1024,4096 \
       --fp8-kv --out "$OUT/attention_fp8_kv_$(card_name).json" 2>&1 | quiet | grep -E "^decode|rror" ;;
   device_loops)  # (~8 min) A/B of where the decode loop's host round trip goes: XLA's default command buffers (the
-    # while loop's body is one CUDA graph; the host reads the loop predicate and relaunches every step: ~0.15 ms of
-    # wall beyond the kernels a 4-layer step, step_profile_decode256) against +WHILE,+CONDITIONAL (the whole loop one
-    # graph with conditional nodes, no host per step). Same bits by construction (same kernels). A shortened workload
-    # (256 rows, responses up to 2k) and the 256-row decode step, bf16 and fp8_block, each setting its own process
-    # -> $OUT/rollout_workload_loops_{host,device}_<card>.json (xla_flags in each header)
+    # while loop's body is one CUDA graph; the host reads the loop predicate and relaunches every step) against
+    # +WHILE,+CONDITIONAL (the whole loop one graph with conditional nodes, no host per step). Same bits by construction.
+    # A shortened workload (256 rows, responses up to 2k) and the 256-row decode step, fp8_block and bf16, each setting
+    # its own process. Measured 2026-12-07 (H100, results/rollout_workload_loops_h100.json): no difference, default kept
     for where in host device; do
       flags=""; [ "$where" = device ] && flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-270}" \
