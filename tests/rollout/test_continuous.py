@@ -158,6 +158,7 @@ def test_progress_bar_and_stats(policy, capsys):
     assert "rollout" in capsys.readouterr().err
     assert eng.last_stats["response_tokens"] == sum(s.response_ids.size for s in out)
     assert eng.last_stats["rows"] == 5 and eng.last_stats["decode_steps"] >= max(MAX_NEW[:5]) - 1
+    assert 0 < eng.last_stats["decode_seconds"] <= eng.last_stats["seconds"]  # wall inside the decode loops
     assert eng.generate([], PARAMS[0]) == [] and eng.last_stats["rows"] == 0
 
 

@@ -137,12 +137,14 @@ class ContinuousScheduler:
                     if self.waiting:  # cannot happen: an empty pool holds any valid row
                         raise RuntimeError(f"continuous scheduler: {len(self.waiting)} rows wait on an idle engine")
                     break
+                t_decode = time.perf_counter()
                 self.s, steps, busy = programs.decode_slots(
                     w.graphdef, w.state, self.s, ec.refill_every, min(ec.effective_refill_batch, len(self.waiting)),
                     precision=eng.precision, plain=self.plain)
                 st["decode_calls"] += 1
-                st["decode_steps"] += int(steps)
+                st["decode_steps"] += int(steps)  # waits for the loop: prefills and placements before it were awaited
                 st["active_slot_steps"] += int(busy)
+                st["decode_seconds"] += time.perf_counter() - t_decode
         finally:
             if bar is not None:
                 bar.close()
