@@ -3,8 +3,8 @@
 A ~1B-parameter random Qwen3-MoE (default: Qwen3-30B-A3B's layer shapes — hidden 2048, 32 query / 4 KV
 heads of 128, expert intermediate 768, top-4 — with 32 experts and 6 layers, vocab 32768) generates
 `--gen-len` tokens after `--prompt-len`-token prompts at each batch size. Per (format, batch) the JSON
-holds: end-to-end tokens/s of `engine.generate`, decode-only tokens/s (generate minus a 1-token generate,
-i.e. minus prefill), and the roofline of one decode step:
+holds: end-to-end tokens/s of `engine.generate`, decode-only tokens/s (generate minus a generate of half the
+tokens: prefill and per-call costs cancel, `time_decode`), and the roofline of one decode step:
 
     bytes/step = weights read (attention + dense + router + lm_head + the experts the batch touches, in the
                  format's storage: BF16 = 2 B/elem, FP8 = 1 B/elem + scales)
@@ -44,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--recipes", default="bf16,fp8_block", help="comma-separated recipe names (rollout format runs)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the best is reported)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each length per point (medians reported)")
     p.add_argument("--attention", default="auto", choices=["auto", "flash", "xla", "exact"],
                    help="model attention_impl: auto (the flash kernels on a Hopper GPU, exact on CPU), flash, xla "
                    "(einsum, not row invariant), exact (the row-invariant scan)")
@@ -133,25 +133,28 @@ def step_bytes(engine, cfg, batch: int, prompt_len: int, gen_len: int, cache_len
     }
 
 
-def bench_point(engine, prompts, gen_len: int, repeats: int):
+def time_decode(engine, prompts, n: int, repeats: int):
+    """Decode steps timed as the difference of two generates that pay the same prefill and per-call costs: n and
+    n // 2 new tokens (both compiled first, one program when the engine's buckets hold n), medians of interleaved
+    runs. A 1-token generate skips the decode loop altogether, and its time moved by 20-30 ms between runs of one
+    build (H100, 2026-12-07), which moved a 256-row step by 0.4 ms.
+    Returns (samples of the n-token run, first-call seconds, t_n, t_half, every t_n, every t_half)."""
     from jaxrl_fp8.rollout.types import SamplingParams
 
-    full = SamplingParams(temperature=1.0, max_new_tokens=gen_len, ignore_eos=True, seed=1)
-    one = SamplingParams(temperature=1.0, max_new_tokens=1, ignore_eos=True, seed=1)
+    full = SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=1)
+    half = SamplingParams(temperature=1.0, max_new_tokens=n // 2, ignore_eos=True, seed=1)
     t = time.perf_counter()
     samples = engine.generate(prompts, full, return_routed_experts=True)  # compiles
-    compile_s = time.perf_counter() - t
-    engine.generate(prompts, one)  # the same program (min_new_bucket = gen_len): the loop stops after one token
-    best_full = best_one = math.inf
+    first_s = time.perf_counter() - t
+    engine.generate(prompts, half)
+    runs_full, runs_half = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
-        engine.generate(prompts, full)
-        best_full = min(best_full, time.perf_counter() - t)
-        t = time.perf_counter()
-        engine.generate(prompts, one)
-        best_one = min(best_one, time.perf_counter() - t)
-    assert all(s.response_ids.size == gen_len for s in samples)
-    return samples, compile_s, best_full, best_one
+        for params, times in ((full, runs_full), (half, runs_half)):
+            t = time.perf_counter()
+            engine.generate(prompts, params)
+            times.append(time.perf_counter() - t)
+    assert all(s.response_ids.size == n for s in samples)
+    return samples, first_s, float(np.median(runs_full)), float(np.median(runs_half)), runs_full, runs_half
 
 
 def main(argv=None) -> int:
@@ -193,7 +196,8 @@ def main(argv=None) -> int:
             "high_precision_form": effective_form(),  # router / lm_head / BF16 dense products (ops.high_precision)
             "bandwidth": {"hbm_spec_Bps": timing.hbm_spec_bandwidth(), "copy_measured_Bps": bw_copy, "copy_mib": args.copy_mib},
             "notes": [
-                "decode_tokens_per_s = batch*(gen_len-1) / (t(generate gen_len) - t(generate 1 token)): prefill excluded",
+                "decode_tokens_per_s = batch*(gen_len - gen_len//2) / (t(generate gen_len) - t(generate gen_len//2)), "
+                "medians of interleaved runs: prefill and per-call costs cancel",
                 "roofline ideal = weights read once per step (experts: those the batch routed to, measured) + live KV; "
                 "as_run additionally counts the full KV-cache length the attention kernel scans",
                 "the activation / logits traffic is not counted, so the roofline is an upper bound",
@@ -212,20 +216,22 @@ def main(argv=None) -> int:
             recipe = get_recipe(recipe_name)
             engine = EmbeddedEngine(Policy(model, recipe=recipe), engine_config=EngineConfig(
                 max_batch=batch, max_seq_len=args.prompt_len + args.gen_len, decode_loop=args.decode_loop,
-                min_new_bucket=args.gen_len))  # one program serves the gen_len and the 1-token runs
+                min_new_bucket=args.gen_len))  # one program serves the gen_len and the half-length runs
             prompts = rng.integers(0, cfg.vocab_size, size=(batch, args.prompt_len)).tolist()
-            samples, compile_s, t_full, t_one = bench_point(engine, prompts, args.gen_len, args.repeats)
+            samples, compile_s, t_full, t_half, runs_full, runs_half = time_decode(engine, prompts, args.gen_len, args.repeats)
+            half = args.gen_len // 2
+            steps = args.gen_len - half  # the decode steps the two runs differ by
             cache_len = max(16, 1 << (args.prompt_len + args.gen_len - 1).bit_length())  # the engine's bucket
-            if cache_len != max(16, 1 << args.prompt_len.bit_length()):
-                print("warning: the 1-token run uses a smaller KV-cache bucket; prefill subtraction is approximate")
             touched = distinct_experts_per_step(samples, args.prompt_len, args.gen_len, cfg.num_experts)
-            sb = step_bytes(engine, cfg, batch, args.prompt_len, args.gen_len, cache_len, touched,
+            # the timed steps are the full run's last `steps`: their live caches start at prompt_len + half
+            sb = step_bytes(engine, cfg, batch, args.prompt_len + half, steps, cache_len, touched,
                             kv_itemsize=kv_itemsize(engine, cfg))
-            decode_s = t_full - t_one
+            decode_s = t_full - t_half
             if decode_s <= 0:  # timing noise larger than the decode itself (tiny runs): report nothing
-                print(f"warning: generate ({t_full:.4f}s) was not slower than prefill ({t_one:.4f}s); no decode rate")
+                print(f"warning: generate {args.gen_len} ({t_full:.4f}s) was not slower than generate {half} "
+                      f"({t_half:.4f}s); no decode rate")
                 decode_s = math.nan
-            decode_tps = batch * (args.gen_len - 1) / decode_s
+            decode_tps = batch * steps / decode_s
             ideal = sb["weights_read"] + sb["kv_read_live"]
             as_run = sb["weights_read"] + sb["kv_read_full_cache"]
             point = {
@@ -234,10 +240,13 @@ def main(argv=None) -> int:
                 "batch": batch,
                 "compile_and_first_run_s": compile_s,
                 "generate_s": t_full,
-                "prefill_plus_one_token_s": t_one,
+                "generate_half_s": t_half,
+                "timed_steps": steps,
+                "generate_s_runs": runs_full,
+                "generate_half_s_runs": runs_half,
                 "tokens_per_s_end_to_end": batch * args.gen_len / t_full,
                 "decode_tokens_per_s": decode_tps if math.isfinite(decode_tps) else None,
-                "decode_step_ms": decode_s / (args.gen_len - 1) * 1e3 if math.isfinite(decode_s) else None,
+                "decode_step_ms": decode_s / steps * 1e3 if math.isfinite(decode_s) else None,
                 "bytes_per_step": sb,
                 "roofline": {
                     "bytes_per_step_ideal": ideal,
@@ -249,7 +258,7 @@ def main(argv=None) -> int:
                 },
             }
             results.append(point)
-            print(f"{recipe_name:10s} batch {batch:4d}: {decode_tps:10.1f} decode tok/s ({decode_s / (args.gen_len - 1) * 1e3:.2f} ms/step), "
+            print(f"{recipe_name:10s} batch {batch:4d}: {decode_tps:10.1f} decode tok/s ({decode_s / steps * 1e3:.2f} ms/step), "
                   f"e2e {point['tokens_per_s_end_to_end']:10.1f} tok/s, roofline@copy {point['roofline']['tokens_per_s_at_copy_bw']:10.1f} "
                   f"({100 * (point['roofline']['fraction_of_copy_roofline'] or math.nan):.1f}%), experts touched {touched:.1f}/{cfg.num_experts}", flush=True)
             del engine

@@ -208,29 +208,16 @@ def same_bits(a, b) -> bool:
 def step_measurement(engine_cls, policy, engine_config, cfg, args, rng, bw_copy):
     """Decode step time at `--slots` active rows and its roofline (see the module docstring), on the continuous
     engine of the workload (its response buffer holds step_new tokens, so the half-length run has the same shapes).
-    The step is the difference of two generates that pay the same prefill and per-call costs (step_new and
-    step_new / 2 tokens), medians over interleaved repeats: a 1-token run skips the decode loop, and its time varied
-    by 20-30 ms between runs of one build, which moved the step by 0.4 ms."""
+    The step is the difference of two generates that pay the same prefill and per-call costs
+    (`decode.time_decode`: step_new and step_new / 2 tokens, medians of interleaved runs)."""
     import dataclasses
-
-    from jaxrl_fp8.rollout.types import SamplingParams
 
     n = args.step_new
     h = n // 2
     engine = engine_cls(policy, engine_config=dataclasses.replace(
         engine_config, scheduler="continuous", progress=False, refill_every=max(n, engine_config.refill_every)))
     prompts = rng.integers(0, cfg.vocab_size, size=(args.slots, args.prompt_len)).tolist()
-    full = SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=1)
-    half = SamplingParams(temperature=1.0, max_new_tokens=h, ignore_eos=True, seed=1)
-    samples = engine.generate(prompts, full, return_routed_experts=True)  # compiles
-    engine.generate(prompts, half)
-    times_full, times_half = [], []
-    for _ in range(args.repeats):
-        for params, times in ((full, times_full), (half, times_half)):
-            t = time.perf_counter()
-            engine.generate(prompts, params)
-            times.append(time.perf_counter() - t)
-    t_full, t_half = float(np.median(times_full)), float(np.median(times_half))
+    samples, _, t_full, t_half, times_full, times_half = decode_bench.time_decode(engine, prompts, n, args.repeats)
     touched = decode_bench.distinct_experts_per_step(samples, args.prompt_len, n, cfg.num_experts)
     cache_len = args.prompt_len + n
     # the timed steps are the last n - h of the full run: their live caches start at prompt_len + h
