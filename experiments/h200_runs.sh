@@ -54,6 +54,8 @@
 #   bash experiments/h200_runs.sh pending_bits  # (~6 min) the GPU bits of the decode batches' dense FP8 GEMM tiling:
 #                                            # the kernel's row invariance, then rollout == trainer, four recipes (run first)
 #   bash experiments/h200_runs.sh dense_decode  # (~2 min) the decode step's dense FP8 GEMM tilings, in-program timing
+#   bash experiments/h200_runs.sh paged_mask  # (~6 min) the paged kernel without the mask on fully visible blocks: its
+#                                            # GPU bits, then decode attention beside the build before (carry .scratch)
 #   bash experiments/h200_runs.sh device_loops  # (~8 min) A/B: the decode while loop relaunched by the host every
 #                                            # step (XLA's default) vs one CUDA graph with conditional nodes
 #                                            # (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL), bf16 + fp8_block;
@@ -283,6 +285,21 @@ case "${1:-}" in
   pending)  # (~9 min) the rollout workload with three recipes, two passes, and the decode step as the difference of a
             # 64- and a 32-token run (medians; the 1-token subtraction before it was noisy): run pending_bits first
     bash "$0" fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2 ;;
+  paged_mask)  # (~6 min) the paged kernel skipping the mask on key blocks visible to its whole tile (all of a decode
+               # step's blocks but its last): its GPU bits (== the training forward at 4k, BF16 and FP8 pages), then the
+               # decode step's attention at 256 rows over BF16 and FP8 pages, 512 / 1k / 4k caches, in the build before
+               # (carried .scratch/base: mkdir -p .scratch/base && git archive 4e64f61 src pallas_kernels
+               # experiments/benchmarks | tar -x -C .scratch/base) and in this tree, one call
+               # -> $OUT/attention_paged_mask_{base,new}_<card>.json
+    timeout 200 $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py -k "long_rows or fp8" -p no:cacheprovider \
+      --tb=short 2>&1 | tee "$OUT/paged_mask_gpu_tests.log" | tail -3
+    for tree in .scratch/base .; do
+      name=$([ "$tree" = . ] && echo new || echo base)
+      [ -d "$tree/pallas_kernels" ] || { echo "no $tree tree: skipped"; continue; }
+      (cd "$tree" && PYTHONPATH=src:. timeout 140 $PY experiments/benchmarks/attention.py --skip train --decode-batches 256 \
+          --decode-lengths 512,1024,4096 --fp8-kv --out "$OUT/attention_paged_mask_${name}_$(card_name).json" 2>&1 | quiet \
+          | grep -E "^decode|rror" | sed "s/^/$name: /")
+    done ;;
   chains)  # (~5 min) promotion chains (a K block promoted under the next one's wgmma) in the FP8 grouped forward and
            # weight gradient: their GPU bit tests, then the grouped forward (chains of 2 / 1) and the wgrad suite
            # (chains 1 / 2 beside transposed_ragged_dot_mgpu, our BF16 wgrad) on the MoE shapes

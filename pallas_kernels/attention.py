@@ -190,8 +190,12 @@ def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float,
     # row r is token r // g; padding rows repeat the last token (their output is dropped)
     token = jnp.minimum(jnp.arange(r) // g, tq - 1)
     row_pos, row_start = positions[:, token], starts[:, token]
-    n_blocks = (row_pos.reshape(b, r // BLOCK_Q, BLOCK_Q).max(axis=2) // BLOCK_KV + 1).astype(jnp.int32)
-    out = paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
+    tile_pos, tile_start = (x.reshape(b, r // BLOCK_Q, BLOCK_Q) for x in (row_pos, row_start))
+    n_blocks = (tile_pos.max(axis=2) // BLOCK_KV + 1).astype(jnp.int32)
+    # key blocks visible to every row of a tile: after its largest start, before its smallest position
+    full_blocks = jnp.stack([(tile_start.max(axis=2) + BLOCK_KV - 1) // BLOCK_KV, (tile_pos.min(axis=2) + 1) // BLOCK_KV],
+                            axis=-1).astype(jnp.int32)
+    out = paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages,
                                jnp.asarray(page_table, jnp.int32), k_scales, v_scales, scale=float(scale),
                                stages=config.paged_stages, interpret=interpret)
     return out[:, :, :rows].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, h, d)

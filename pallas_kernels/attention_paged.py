@@ -16,7 +16,9 @@ trainer's forward sees. A separate warpgroup, because conversion inside the comp
 its wgmmas and softmax (slower at 5 of 6 measured points, decision record 0014).
 
 Grid (key/value head, 64-row query tile, batch); one compute warpgroup (plus the converter over FP8 pages) and one
-TMA warpgroup that reads the pages in table order. A tile visits the blocks up to its last row's position (`n_blocks`, from the wrapper).
+TMA warpgroup that reads the pages in table order. A tile visits the blocks up to its last row's position (`n_blocks`,
+from the wrapper); the blocks visible to every row of the tile (`full_blocks`: all of a decode step's blocks but its
+last) skip the mask's integer work, as the training forward's do (`masked_unless`, the same bits).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention_common import (
     BLOCK_KV, BLOCK_Q, LOG2E, a_operand, a_staging, block_pipeline, finish_rows, initial_softmax_state, kernel_call,
-    online_softmax_step, row_vector, swizzled, visible_keys, wgmma_fresh)
+    masked_unless, online_softmax_step, row_vector, swizzled, visible_keys, wgmma_fresh)
 from pallas_kernels.interpret import launch
 from pallas_kernels.kernel_cache import traced_once
 
@@ -50,9 +52,10 @@ def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
 
 
 @traced_once("scale", "stages", "interpret")
-def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, k_scales=None,
+def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages, page_table, k_scales=None,
                          v_scales=None, *, scale: float, stages: int, interpret: bool):
-    """q_rows [B, Hkv, R, D], row_pos / row_start int32 [B, Rt], n_blocks int32 [B, Rt / BLOCK_Q], k/v_pages
+    """q_rows [B, Hkv, R, D], row_pos / row_start int32 [B, Rt], n_blocks int32 [B, Rt / BLOCK_Q], full_blocks int32
+    [B, Rt / BLOCK_Q, 2] (lo, hi: key blocks lo <= j < hi are visible to every row of the tile), k/v_pages
     [P, BLOCK_KV, Hkv, D], page_table int32 [B, max_pages] -> out [B, Hkv, R, D]; Rt = R rounded up to BLOCK_Q.
     k/v_scales: None (pages in q's dtype) or float32 [P, Hkv, BLOCK_KV] (float8_e4m3fn pages, power-of-two
     scales). FP8 pages: a converter warpgroup dequantizes block j + 1 into the other of two BF16 tiles while the
@@ -86,10 +89,10 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
 
     def scoped(*refs):
         if fp8:
-            (q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, ks_ref, vs_ref, o_ref,
+            (q_ref, pos_ref, start_ref, nblk_ref, full_ref, k_ref, v_ref, pt_ref, ks_ref, vs_ref, o_ref,
              qo_smem2, q_bar, p_smem2, kv16, ready, free) = refs
         else:
-            q_ref, pos_ref, start_ref, nblk_ref, k_ref, v_ref, pt_ref, o_ref, qo_smem2, q_bar, p_smem2, *_ = refs
+            q_ref, pos_ref, start_ref, nblk_ref, full_ref, k_ref, v_ref, pt_ref, o_ref, qo_smem2, q_bar, p_smem2, *_ = refs
         bi, kvh, rt = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("rows")
         wg = lax.axis_index("wg")
         rows = pl.ds(rt * BLOCK_Q, BLOCK_Q)
@@ -108,8 +111,9 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
 
             row_pos = row_vector(pos_ref.at[bi, rows])
             row_start = row_vector(start_ref.at[bi, rows])
+            bounds = (full_ref[bi, rt, 0], full_ref[bi, rt, 1])
             acc, m_i, l_i = initial_softmax_state(BLOCK_Q, d)
-            acc, m_i, l_i = pipeline((acc, m_i, l_i, row_pos, row_start))[:3]
+            acc, m_i, l_i = pipeline((acc, m_i, l_i, row_pos, row_start, bounds))[:3]
             if fp8:  # the converter observes the compute warpgroup's last releases (at most two)
                 for back in (2, 1):
                     @pl.when((wg == 1) & (steps >= back))
@@ -125,17 +129,21 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
                 plgpu.wait_smem_to_gmem(0)
 
         def attend(step, k_smem, v_smem, carry, k_consumed=None, v_consumed=None, before_pv=lambda: None):
-            acc, m_i, l_i, row_pos, row_start = carry
+            acc, m_i, l_i, row_pos, row_start, (lo, hi) = carry
             qk = wgmma_fresh(qo_smem2.at[0], k_smem.transpose((1, 0)), (BLOCK_Q, BLOCK_KV))
             if k_consumed is not None:
                 plgpu.barrier_arrive(k_consumed)
-            visible = visible_keys(BLOCK_Q, step * BLOCK_KV, row_pos, row_start)
-            p, m_i, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, c)
+
+            def update(visible):
+                return online_softmax_step(qk, visible, m_i, l_i, acc, c)
+
+            masked = lambda: visible_keys(BLOCK_Q, step * BLOCK_KV, row_pos, row_start)
+            p, m_i, l_i, acc = masked_unless((step >= lo) & (step < hi), update, masked)
             before_pv()
             acc = acc + wgmma_fresh(a_operand(p.astype(dtype), p_smem2, 0, interpret), v_smem, (BLOCK_Q, d))
             if v_consumed is not None:
                 plgpu.barrier_arrive(v_consumed)
-            return acc, m_i, l_i, row_pos, row_start
+            return acc, m_i, l_i, row_pos, row_start, (lo, hi)
 
         def converter_body(idx, k_smem, v_smem, ks_smem, vs_smem, *rest):
             (step,) = idx
@@ -187,5 +195,5 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, k_pages, v_pages,
                        ("kv_heads", "rows", "batch"), 2 if fp8 else 1,
                        name="attention_paged_fp8" if fp8 else "attention_paged")
     scales = (k_scales, v_scales) if fp8 else ()
-    return launch(call, q_rows, row_pos, row_start, n_blocks, k_pages, v_pages, page_table, *scales,
+    return launch(call, q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages, page_table, *scales,
                   interpret=interpret)

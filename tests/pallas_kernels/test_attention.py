@@ -52,8 +52,7 @@ def test_forward_matches_float64_reference(h, hkv, d):
 
 @pytest.mark.parametrize("segments", [None, [0] * 100 + [1] * 300 + [2] * 112])
 def test_unmasked_blocks_keep_the_bits(segments):
-    """The unmasked path of fully visible key blocks changes no bit of out or lse (the decode kernel masks every
-    block)."""
+    """The unmasked path of fully visible key blocks changes no bit of out or lse."""
     from pallas_kernels.attention_fwd import forward
 
     b, t, h, hkv, d = 1, 512, 2, 1, 64
@@ -142,6 +141,42 @@ def test_each_decode_row_gets_the_bits_it_gets_alone():
         np.testing.assert_array_equal(run(slice(i, i + 1))[0], together[i])
     ref = A.reference_paged_attention(qd, kp, vp, table, pos[:, None], scale=d**-0.5)
     np.testing.assert_allclose(together, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_unmasked_blocks_keep_the_bits(fp8, monkeypatch):
+    """The paged kernel's key blocks visible to a whole tile skip the mask (`full_blocks`): decode rows and a prefill
+    tile, BF16 pages and FP8 pages (the converter's path), have the bits of the kernel masking every block."""
+    b, t, h, hkv, d = 2, 300, 8, 2, 64
+    q, k, v = _qkv(b, t, h, hkv, d, seed=9)
+    kp, vp, table = _pages(k, v, 3, 8, seed=9)
+    scales = {}
+    if fp8:
+        kp, vp, ks, vs, _, _ = _fp8_pages(kp, vp)
+        scales = dict(k_scales=ks, v_scales=vs)
+    pos = np.array([299, 130])
+    qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
+    pre = jnp.broadcast_to(jnp.arange(200, 264, dtype=jnp.int32), (b, 64))
+    seen = []
+
+    def run():
+        decode = A.paged_attention(qd, kp, vp, table, jnp.asarray(pos)[:, None], scale=d**-0.5, interpret=_interpret(), **scales)
+        prefill = A.paged_attention(q[:, 200:264], kp, vp, table, pre, scale=d**-0.5, interpret=_interpret(), **scales)
+        return [np.asarray(x.astype(jnp.float32)) for x in (decode, prefill)]
+
+    kernel = A.paged_rows_attention
+
+    def recording(q_rows, row_pos, row_start, n_blocks, full_blocks, *rest, **kw):
+        seen.append(np.asarray(full_blocks))
+        return kernel(q_rows, row_pos, row_start, n_blocks, full_blocks, *rest, **kw)
+
+    monkeypatch.setattr(A, "paged_rows_attention", recording)
+    skipping = run()
+    assert [x[..., 1].ravel().tolist() for x in seen] == [[2, 1], [1] * 8]  # blocks [0, hi) skip the mask
+    monkeypatch.setattr(A, "paged_rows_attention", lambda qr, rp, rs, nb, full, *rest, **kw: kernel(
+        qr, rp, rs, nb, jnp.zeros_like(full), *rest, **kw))
+    for got, want in zip(skipping, run()):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.row_invariant_cpu
