@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.attention_bwd import backward
-from pallas_kernels.attention_common import BLOCK_KV, BLOCK_Q, F32
+from pallas_kernels.attention_common import BLOCK_KV, BLOCK_Q, F32, fully_visible_blocks
 from pallas_kernels.attention_fwd import forward
 from pallas_kernels.attention_paged import paged_rows_attention
 
@@ -192,9 +192,7 @@ def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float,
     row_pos, row_start = positions[:, token], starts[:, token]
     tile_pos, tile_start = (x.reshape(b, r // BLOCK_Q, BLOCK_Q) for x in (row_pos, row_start))
     n_blocks = (tile_pos.max(axis=2) // BLOCK_KV + 1).astype(jnp.int32)
-    # key blocks visible to every row of a tile: after its largest start, before its smallest position
-    full_blocks = jnp.stack([(tile_start.max(axis=2) + BLOCK_KV - 1) // BLOCK_KV, (tile_pos.min(axis=2) + 1) // BLOCK_KV],
-                            axis=-1).astype(jnp.int32)
+    full_blocks = jnp.stack(fully_visible_blocks(tile_start.max(axis=2), tile_pos.min(axis=2)), axis=-1)
     out = paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages,
                                jnp.asarray(page_table, jnp.int32), k_scales, v_scales, scale=float(scale),
                                stages=config.paged_stages, interpret=interpret)

@@ -85,7 +85,6 @@ class GemmConfig:
 
 
 DECODE_ROWS = 256  # the largest M that `default_config` tiles by its rows (the decode batches it was measured at)
-ONE_WAVE_CTAS = 132  # SMs of an H100 SXM / H200: output tiles one persistent wave covers
 DECODE_TILES = ((32, 8), (64, 4), (128, 4))  # (tile_n, stages), narrowest first
 
 
@@ -97,15 +96,16 @@ def default_config(n: int, k: int, m: int | None = None) -> GemmConfig:
     K = 768) keeps one K block per step and four stages; deeper K takes two blocks per step (two stages: three
     would need 235 KB of shared memory with the BF16 epilogue, the limit is 227 KB).
     Decode (m <= DECODE_ROWS): a 128-column tile leaves most SMs idle (256 rows x 2048 columns is 32 tiles), so
-    the narrowest column tile whose output fits one wave of CTAs, with the deepest ring that fits (1.2-1.4x on the
+    the narrowest column tile whose output fits one wave of CTAs (one per SM of the GPU, `interpret.num_sms`: the
+    GPU's choice in interpret mode too), with the deepest ring that fits (1.2-1.4x on the
     decode step's q/k/v and o products). None of these choices changes any row's arithmetic: every tile runs the
     same 64-row wgmma per K block and promotes the blocks in the same order (bitwise equal on the GPU,
     `bitwise_vs_first_config`), so a row's bits do not depend on how many rows share its batch.
     """
     if m is not None and m <= DECODE_ROWS:
-        row_tiles = -(-m // 128)
+        row_tiles, sms = -(-m // 128), interpret_mode.num_sms(False)
         for tile_n, stages in DECODE_TILES:
-            if n % tile_n == 0 and row_tiles * (n // tile_n) <= ONE_WAVE_CTAS:
+            if n % tile_n == 0 and row_tiles * (n // tile_n) <= sms:
                 return GemmConfig(tile_n=tile_n, max_concurrent_steps=stages, grid_tile_width=16, grid_minor_dim=0)
     if k // BLOCK_K < 16 or k % (2 * BLOCK_K):
         return GemmConfig(max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
@@ -362,16 +362,13 @@ def check_operands(a_q, a_scale, b_q, b_scale, b_rows_per_scale: int, where: str
 
 
 def _config_for(b_scale, b_scale_op, n: int, k: int, m: int, b_rows_per_scale: int) -> GemmConfig:
-    """`default_config` for these rows, unless a `b_scale_op` made for another batch size (`weight_scale_operand`
-    with rows=None, e.g. a trainer's weight in a small batch) holds another layout: then the shape-only config, which
-    it was made for (same bits either way), rather than a relayout in every call."""
+    """`default_config` for these rows, unless `b_scale_op` holds another layout: then it was made for a batch of any
+    size (`weight_scale_operand` with rows=None, e.g. a trainer's weight in a small batch), and the shape-only config
+    it was made for (same bits) beats a relayout in every call; `checked_scale_operand` names any other layout."""
     cfg = default_config(n, k, m)
-    if b_scale_op is None:
-        return cfg
-    made_for = lambda c: jax.eval_shape(lambda s: b_scale_operand(s, n, b_rows_per_scale, c), b_scale).shape
-    shape_only = default_config(n, k)
-    if b_scale_op.shape != made_for(cfg) and b_scale_op.shape == made_for(shape_only):
-        return shape_only
+    if b_scale_op is not None and b_scale_op.shape != jax.eval_shape(
+            lambda s: b_scale_operand(s, n, b_rows_per_scale, cfg), b_scale).shape:
+        return default_config(n, k)
     return cfg
 
 

@@ -46,8 +46,9 @@ def test_interpret_tilings_compute_the_same_block_math(cfg, rows):
 
 
 def test_decode_batches_get_the_narrowest_column_tile_of_one_wave():
-    """M <= 256: the narrowest column tile whose output tiles fit 132 CTAs (the shapes measured on the GPU: the stacked
-    q/k/v [5120, 2048] and o [2048, 4096] at 64 and 256 rows); larger M: the shape-only tiling."""
+    """M <= 256: the narrowest column tile whose output tiles fit one wave of CTAs (132 SMs off a GPU; the shapes
+    measured on the GPU: the stacked q/k/v [5120, 2048] and o [2048, 4096] at 64 and 256 rows); larger M: the
+    shape-only tiling."""
     assert gemm_dense.default_config(5120, 2048, 64) == C(tile_n=64, max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
     assert gemm_dense.default_config(5120, 2048, 256) == C(tile_n=128, max_concurrent_steps=4, grid_tile_width=16, grid_minor_dim=0)
     assert gemm_dense.default_config(2048, 4096, 256) == C(tile_n=32, max_concurrent_steps=8, grid_tile_width=16, grid_minor_dim=0)
