@@ -54,6 +54,8 @@
 #   bash experiments/h200_runs.sh pending_bits  # (~6 min) the GPU bits of the decode batches' dense FP8 GEMM tiling:
 #                                            # the kernel's row invariance, then rollout == trainer, four recipes (run first)
 #   bash experiments/h200_runs.sh dense_decode  # (~2 min) the decode step's dense FP8 GEMM tilings, in-program timing
+#   bash experiments/h200_runs.sh bits_and_mask  # (~9.5 min) paged_mask's timing alone, then pending_bits and paged_mask's
+#                                            # bit tests side by side (one call instead of two)
 #   bash experiments/h200_runs.sh paged_mask  # (~6 min) the paged kernel without the mask on fully visible blocks: its
 #                                            # GPU bits, then decode attention beside the build before (carry .scratch)
 #   bash experiments/h200_runs.sh device_loops  # (~8 min) A/B: the decode while loop relaunched by the host every
@@ -285,14 +287,27 @@ case "${1:-}" in
   pending)  # (~9 min) the rollout workload with three recipes, two passes, and the decode step as the difference of a
             # 64- and a 32-token run (medians; the 1-token subtraction before it was noisy): run pending_bits first
     bash "$0" fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2 ;;
+  bits_and_mask)  # (~9.5 min) paged_mask's timing first (decode attention, base vs this tree, alone on the GPU), then
+                  # pending_bits and paged_mask's GPU bit tests at once (two pytest processes: compilation is host-bound),
+                  # both stopped ${BITS_DEADLINE_S:-585} s after the stage began
+    t0=$SECONDS
+    PAGED_MASK_TESTS=0 bash "$0" paged_mask
+    left=$(( ${BITS_DEADLINE_S:-585} - (SECONDS - t0) ))
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    timeout $left $PY -m pytest -q -m gpu tests/pallas_kernels/test_gemm_dense.py \
+      tests/rollout/test_embedded_mismatch_gpu.py::test_gpu_split3_unified_recipes_bitwise -p no:cacheprovider --tb=short \
+      > "$OUT/pending_bits.log" 2>&1 &
+    timeout $left $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py -k "long_rows or fp8" -p no:cacheprovider \
+      --tb=short > "$OUT/paged_mask_gpu_tests.log" 2>&1
+    wait; tail -3 "$OUT/paged_mask_gpu_tests.log" "$OUT/pending_bits.log" ;;
   paged_mask)  # (~6 min) the paged kernel skipping the mask on key blocks visible to its whole tile (all of a decode
                # step's blocks but its last): its GPU bits (== the training forward at 4k, BF16 and FP8 pages), then the
                # decode step's attention at 256 rows over BF16 and FP8 pages, 512 / 1k / 4k caches, in the build before
                # (carried .scratch/base: mkdir -p .scratch/base && git archive 4e64f61 src pallas_kernels
                # experiments/benchmarks | tar -x -C .scratch/base) and in this tree, one call
                # -> $OUT/attention_paged_mask_{base,new}_<card>.json
-    timeout 200 $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py -k "long_rows or fp8" -p no:cacheprovider \
-      --tb=short 2>&1 | tee "$OUT/paged_mask_gpu_tests.log" | tail -3
+    [ "${PAGED_MASK_TESTS:-1}" = 0 ] || timeout 200 $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py \
+      -k "long_rows or fp8" -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/paged_mask_gpu_tests.log" | tail -3
     for tree in .scratch/base .; do
       name=$([ "$tree" = . ] && echo new || echo base)
       [ -d "$tree/pallas_kernels" ] || { echo "no $tree tree: skipped"; continue; }
