@@ -384,8 +384,9 @@ case "${1:-}" in
           --section Occupancy --section SourceCounters -o "/tmp/ncu_$name" $PY ${spec#*|} > "/tmp/ncu_${name}_run.log" 2>&1
       ncu -i "/tmp/ncu_$name.ncu-rep" --page details > "$OUT/ncu_$name.txt" 2>&1
       ncu -i "/tmp/ncu_$name.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${name}_sass.csv" 2>&1
-      $PY experiments/benchmarks/ncu_stalls.py "$OUT/ncu_${name}_sass.csv" --top 25 --context 3 \
-          | tee "$OUT/ncu_${name}_stalls.txt" | head -30
+      [ -f "/tmp/ncu_$name.ncu-rep" ] || { tail -20 "/tmp/ncu_${name}_run.log" | tee "$OUT/ncu_${name}_run.log"; continue; }
+      $PY experiments/benchmarks/ncu_stalls.py "$OUT/ncu_${name}_sass.csv" --top 25 --context 3 > "$OUT/ncu_${name}_stalls.txt"
+      head -30 "$OUT/ncu_${name}_stalls.txt"
       grep -E "Duration|DRAM Throughput|Registers Per|Achieved Active|Eligible Warps" "$OUT/ncu_$name.txt"
     done ;;
   profile_decode)
