@@ -51,13 +51,13 @@
 #   bash experiments/h200_runs.sh sampler_workload  # (~7 min) the two-level sampler and the counted MoE dispatch: their
 #                                            # GPU tests, the sampler beside its one-level anchor at 256 rows, the rollout
 #                                            # workload (bf16, fp8_block; measured 2026-12-07 on an H100 in 324 s)
-#   bash experiments/h200_runs.sh pending_bits  # (~6 min) the GPU bits of the decode batches' dense FP8 GEMM tiling:
-#                                            # the kernel's row invariance, then rollout == trainer, four recipes (run first)
 #   bash experiments/h200_runs.sh dense_decode  # (~2 min) the decode step's dense FP8 GEMM tilings, in-program timing
-#   bash experiments/h200_runs.sh bits_and_mask  # (~9.5 min) paged_mask's timing alone, then pending_bits and paged_mask's
-#                                            # bit tests side by side (one call instead of two)
-#   bash experiments/h200_runs.sh paged_mask  # (~6 min) the paged kernel without the mask on fully visible blocks: its
-#                                            # GPU bits, then decode attention beside the build before (carry .scratch)
+#   bash experiments/h200_runs.sh fp8_pairs  # (~7 min) decode over FP8 pages two rows a program: the GPU bit tests (FP8
+#                                            # pages at 4k, rollout == trainer for fp8_block_kv at 4k), then decode
+#                                            # attention beside the build before (carried .scratch/base: mkdir -p
+#                                            # .scratch/base && git archive 6fb9551 src pallas_kernels experiments/benchmarks
+#                                            # | tar -x -C .scratch/base), 64 / 256 rows, 512 / 1k / 4k caches
+#                                            # -> $OUT/attention_fp8_pairs_{base,new}_<card>.json; then `pending`
 #   bash experiments/h200_runs.sh device_loops  # (~8 min) A/B: the decode while loop relaunched by the host every
 #                                            # step (XLA's default) vs one CUDA graph with conditional nodes
 #                                            # (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL), bf16 + fp8_block;
@@ -278,42 +278,20 @@ case "${1:-}" in
       --out "$OUT/vocab_side_$(card_name).json" 2>&1 | quiet | grep -E "^noise|rror"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-330}" $PY experiments/benchmarks/rollout_workload.py \
       --recipes bf16,fp8_block --schedulers continuous --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -14 ;;
-  pending_bits)  # (~6 min) the GPU bits of the decode batches' dense FP8 GEMM tiling (build 0e1fbca: its kernel rows were
-                 # checked on an H100, the unified recipes' rollout == trainer was cut off by a time limit after bf16):
-                 # the dense kernel's row invariance on the decode shapes, then rollout == trainer for the four recipes
-    timeout 450 $PY -m pytest -q -m gpu tests/pallas_kernels/test_gemm_dense.py \
-      tests/rollout/test_embedded_mismatch_gpu.py::test_gpu_split3_unified_recipes_bitwise -p no:cacheprovider --tb=short \
-      2>&1 | tee "$OUT/pending_bits.log" | tail -5 ;;
   pending)  # (~9 min) the rollout workload with three recipes, two passes, and the decode step as the difference of a
-            # 64- and a 32-token run (medians; the 1-token subtraction before it was noisy): run pending_bits first
+            # 64- and a 32-token run (medians of three), decode loops split from the rest of each pass
     bash "$0" fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2 ;;
-  bits_and_mask)  # (~9.5 min) paged_mask's timing first (decode attention, base vs this tree, alone on the GPU), then
-                  # pending_bits and paged_mask's GPU bit tests at once (two pytest processes: compilation is host-bound),
-                  # both stopped ${BITS_DEADLINE_S:-585} s after the stage began
-    t0=$SECONDS
-    PAGED_MASK_TESTS=0 bash "$0" paged_mask
-    left=$(( ${BITS_DEADLINE_S:-585} - (SECONDS - t0) ))
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    timeout $left $PY -m pytest -q -m gpu tests/pallas_kernels/test_gemm_dense.py \
-      tests/rollout/test_embedded_mismatch_gpu.py::test_gpu_split3_unified_recipes_bitwise -p no:cacheprovider --tb=short \
-      > "$OUT/pending_bits.log" 2>&1 &
-    timeout $left $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py -k "long_rows or fp8" -p no:cacheprovider \
-      --tb=short > "$OUT/paged_mask_gpu_tests.log" 2>&1
-    wait; tail -3 "$OUT/paged_mask_gpu_tests.log" "$OUT/pending_bits.log" ;;
-  paged_mask)  # (~6 min) the paged kernel skipping the mask on key blocks visible to its whole tile (all of a decode
-               # step's blocks but its last): its GPU bits (== the training forward at 4k, BF16 and FP8 pages), then the
-               # decode step's attention at 256 rows over BF16 and FP8 pages, 512 / 1k / 4k caches, in the build before
-               # (carried .scratch/base: mkdir -p .scratch/base && git archive 4e64f61 src pallas_kernels
-               # experiments/benchmarks | tar -x -C .scratch/base) and in this tree, one call
-               # -> $OUT/attention_paged_mask_{base,new}_<card>.json
-    [ "${PAGED_MASK_TESTS:-1}" = 0 ] || timeout 200 $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py \
-      -k "long_rows or fp8" -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/paged_mask_gpu_tests.log" | tail -3
+  fp8_pairs)  # (~7 min) the paged kernel over FP8 pages two decode rows a program: its GPU bits, then its timing
+              # beside the converter-warpgroup kernel of the build before (.scratch/base), one call
+    timeout 260 $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py tests/rollout/test_flash_rollout_gpu.py \
+      -k "fp8_pages or fp8_block_kv" -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/fp8_pairs_gpu_tests.log" | tail -3
     for tree in .scratch/base .; do
       name=$([ "$tree" = . ] && echo new || echo base)
       [ -d "$tree/pallas_kernels" ] || { echo "no $tree tree: skipped"; continue; }
-      (cd "$tree" && PYTHONPATH=src:. timeout 140 $PY experiments/benchmarks/attention.py --skip train --decode-batches 256 \
-          --decode-lengths 512,1024,4096 --fp8-kv --out "$OUT/attention_paged_mask_${name}_$(card_name).json" 2>&1 | quiet \
-          | grep -E "^decode|rror" | sed "s/^/$name: /")
+      (cd "$tree" && PYTHONPATH=src:. timeout 120 $PY experiments/benchmarks/attention.py --skip train \
+          --decode-batches 64,256 --decode-lengths 512,1024,4096 --fp8-kv \
+          --out "$OUT/attention_fp8_pairs_${name}_$(card_name).json" 2>&1 | quiet | grep -E "^decode.*fp8|rror" \
+          | sed "s/^/$name: /")
     done ;;
   chains)  # (~5 min) promotion chains (a K block promoted under the next one's wgmma) in the FP8 grouped forward and
            # weight gradient: their GPU bit tests, then the grouped forward (chains of 2 / 1) and the wgrad suite
