@@ -206,10 +206,16 @@ def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float,
 
 def _paired_decode(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages, page_table, k_scales, v_scales,
                    **kw):
-    """`paired_rows_attention_fp8` on a decode batch in `paged_rows_attention`'s operands (one partial tile a row):
-    rows 2p and 2p + 1 share a program; an odd batch gets its last row again as the partner (output dropped); page
-    table entries from a row's n_blocks on repeat its last page (the pair's pipeline runs the longer row's steps)."""
+    """`paired_rows_attention_fp8` on a decode batch in `paged_rows_attention`'s operands (one partial tile a row).
+
+    A pair's pipeline runs its longer row's steps and fetches both rows' pages at every step (the shorter row's last
+    page again once it is done), so rows are paired in order of their block counts: neighbours differ little and
+    the repeated pages cost little. Each row's output is its own (the pairing changes no bit); an odd batch gets its
+    longest row again as the last partner (output dropped)."""
     b, hkv, rr, d = q_rows.shape
+    order = jnp.argsort(n_blocks[:, 0], stable=True)
+    q_rows, row_pos, row_start, n_blocks, full_blocks, page_table = (
+        x[order] for x in (q_rows, row_pos, row_start, n_blocks, full_blocks, page_table))
     if b % 2:
         q_rows, row_pos, row_start, n_blocks, full_blocks, page_table = (
             jnp.concatenate([x, x[-1:]]) for x in (q_rows, row_pos, row_start, n_blocks, full_blocks, page_table))
@@ -221,7 +227,8 @@ def _paired_decode(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v
     out = paired_rows_attention_fp8(q_pairs, tile_rows(row_pos), tile_rows(row_start), n_blocks[:, 0].reshape(p, 2),
                                     full_blocks[:, 0].reshape(p, 2, 2), k_pages, v_pages, tables, k_scales, v_scales,
                                     **kw)
-    return out.reshape(p, hkv, 2, rr, d).transpose(0, 2, 1, 3, 4).reshape(2 * p, hkv, rr, d)[:b]
+    out = out.reshape(p, hkv, 2, rr, d).transpose(0, 2, 1, 3, 4).reshape(2 * p, hkv, rr, d)
+    return out[jnp.argsort(order)]
 
 
 # ------------------------------------------------------------------------------------------- reference
