@@ -17,10 +17,11 @@ the very BF16 keys and values the trainer's forward sees. Two schedules, same bi
 - `paired_rows_attention_fp8` (decode): two batch rows a program, each compute warpgroup dequantizing and
   multiplying its own row's blocks, so the two rows' dependent chains interleave on the SM.
 
-Grid (key/value head, 64-row query tile, batch); one compute warpgroup (plus the converter over FP8 pages) and one
-TMA warpgroup that reads the pages in table order. A tile visits the blocks up to its last row's position (`n_blocks`,
-from the wrapper); the blocks visible to every row of the tile (`full_blocks`: all of a decode step's blocks but its
-last) skip the mask's integer work, as the training forward's do (`masked_unless`, the same bits).
+`paged_rows_attention`'s grid is (key/value head, 64-row query tile, batch row), `paired_rows_attention_fp8`'s
+(key/value head, 1, pair of batch rows); one TMA warpgroup reads the pages in table order for the compute warpgroup
+(plus the converter) or the pair's two. A tile visits the blocks up to its last row's position (`n_blocks`, from the
+wrapper); the blocks visible to every row of the tile (`full_blocks`: all of a decode step's blocks but its last)
+skip the mask's integer work, as the training forward's do (`masked_unless`, the same bits).
 """
 
 from __future__ import annotations
