@@ -26,7 +26,9 @@ end to end and without it (`steady`, what an RL run sees after its first step). 
 comes from a second pass over the same workload on the same engine, so one-off costs that no compile event counts
 (first launches of newly compiled kernels) stay out of it, and the second pass must give the first's bits. The
 continuous scheduler's last pass is split into its decode loops (`decode_loops_ms_per_step`: the step at the
-workload's own caches and active rows) and the rest (`outside_decode_loops_s`: prefills, placements, collection).
+workload's own caches and active rows) and the rest (`outside_decode_loops_s`: prefills, placements, collection;
+`outside_split_s`: waiting for the prefills and placements on the device, collecting finished rows, the host's
+admission work).
 
 Targets (issue 22), met or missed in the JSON: continuous >= 3x static output tokens/s; decode steps >= 50 % of the
 copy-bandwidth roofline at 256 active rows; FP8 >= 1.3x BF16 tokens/s (continuous): `fp8_over_bf16` for
@@ -465,6 +467,7 @@ def main(argv=None) -> int:
             if stats.get("decode_seconds"):  # continuous: the last pass's wall inside decode loops and outside them
                 point["decode_loops_ms_per_step"] = stats["decode_seconds"] / stats["decode_steps"] * 1e3
                 point["outside_decode_loops_s"] = last_wall - stats["decode_seconds"]
+                point["outside_split_s"] = {k: stats[f"{k}_seconds"] for k in ("sync", "collect", "admit")}
             by_scheduler[scheduler] = samples
             results.append(point)
             again = f", last pass {last_wall:.2f}s (compile {last_compile_s:.2f}s)" if args.passes > 1 else ""
@@ -472,7 +475,9 @@ def main(argv=None) -> int:
                   f"{point['tokens_per_s']:10.1f} tok/s  steady {point['steady_tokens_per_s']:10.1f} tok/s  "
                   f"steps {stats.get('decode_steps', float('nan')):.0f}  active {stats.get('mean_active_slots', float('nan')):.1f}"
                   + (f"  in decode loops {point['decode_loops_ms_per_step']:.3f} ms/step, outside "
-                     f"{point['outside_decode_loops_s']:.2f}s" if "decode_loops_ms_per_step" in point else ""), flush=True)
+                     f"{point['outside_decode_loops_s']:.2f}s ("
+                     + ", ".join(f"{k} {v:.2f}s" for k, v in point["outside_split_s"].items()) + ")"
+                     if "decode_loops_ms_per_step" in point else ""), flush=True)
             del engine
             write(False)
         if len(by_scheduler) > 1:

@@ -159,6 +159,8 @@ def test_progress_bar_and_stats(policy, capsys):
     assert eng.last_stats["response_tokens"] == sum(s.response_ids.size for s in out)
     assert eng.last_stats["rows"] == 5 and eng.last_stats["decode_steps"] >= max(MAX_NEW[:5]) - 1
     assert 0 < eng.last_stats["decode_seconds"] <= eng.last_stats["seconds"]  # wall inside the decode loops
+    outside = [eng.last_stats[k] for k in ("sync_seconds", "collect_seconds", "admit_seconds")]  # and outside them
+    assert min(outside) > 0 and eng.last_stats["decode_seconds"] + sum(outside) <= eng.last_stats["seconds"]
     assert eng.generate([], PARAMS[0]) == [] and eng.last_stats["rows"] == 0
 
 

@@ -123,14 +123,23 @@ class ContinuousScheduler:
         produced = 0
         try:
             while True:
+                # where a pass's time outside the decode loops goes: waiting here for the prefills and placements
+                # dispatched since the last look (device), collecting finished rows (one read of their tokens), and
+                # the host's admission work (building and dispatching prefills and placements)
+                t_sync = time.perf_counter()
                 done, count = np.asarray(self.s.done), np.asarray(self.s.count)
+                t_collect = time.perf_counter()
+                st["sync_seconds"] += t_collect - t_sync
                 finished = self._collect(done, count)
+                st["collect_seconds"] += time.perf_counter() - t_collect
                 produced += sum(self.results[r].response_ids.size for r in finished)
                 if bar is not None and finished:
                     bar.update(len(finished))
                     busy = sum(r is not None for r in self.slot_row)
                     bar.set_postfix(tok_s=f"{produced / max(time.perf_counter() - t0, 1e-9):.0f}", active=busy, refresh=False)
+                t_admit = time.perf_counter()
                 admitted = self._admit(st)
+                st["admit_seconds"] += time.perf_counter() - t_admit
                 if admitted:
                     continue  # rows placed may be done already (0 or 1 token): look before decoding
                 if all(r is None for r in self.slot_row):
