@@ -93,7 +93,8 @@
 #   bash experiments/h200_runs.sh ncu_decode  # (~4 min) Nsight Compute of the decode step's two FP8 kernels: the paged FP8
 #                                            # attention (256 rows x 4k caches) and the grouped FP8 expert GEMM (gemm.py --suites
 #                                            # decode): $OUT/ncu_<kernel>.txt (speed of light, memory, warp states) and where warps
-#                                            # wait per SASS instruction ($OUT/ncu_<kernel>_stalls.txt from ncu_stalls.py, CSV beside)
+#                                            # wait per SASS instruction ($OUT/ncu_<kernel>_stalls.txt from ncu_stalls.py, CSV beside),
+#                                            # pipe utilization and instruction mix (which unit a converting warp waits on)
 #   bash experiments/h200_runs.sh profile_decode  # (~8 min; PROFILE_SLOTS=64 for one) step_profile.py's decode program at 64 slots (rl_step's rollout:
 #                                            # 1k responses) and at 256 slots (rollout_workload), 6 layers, bf16 + fp8_block,
 #                                            # every kernel listed (--top 120) with the source lines it computes (--hlo-dump),
@@ -354,12 +355,13 @@ case "${1:-}" in
     mkdir -p /tmp/decode_kv_hlo_kept && cp /tmp/decode_kv_hlo/*decode_slots*after_optimizations.txt /tmp/decode_kv_hlo_kept/ 2>/dev/null
     tar czf "$OUT/decode_kv_hlo.tgz" -C /tmp decode_kv_hlo_kept ;;
   ncu_decode)
-    for spec in "attention_paged_fp8|experiments/benchmarks/attention.py --skip train --decode-batches 256 --decode-lengths 4096 --fp8-kv --out /tmp/ncu_attention.json" \
+    for spec in "attention_paged_fp8_pairs|experiments/benchmarks/attention.py --skip train --decode-batches 256 --decode-lengths 4096 --fp8-kv --out /tmp/ncu_attention.json" \
                 "gemm_grouped_fp8|experiments/benchmarks/gemm.py --suites decode --out /tmp/ncu_gemm.json"; do
       name=${spec%%|*}
       timeout 200 ncu -f --kernel-name "regex:${name}_mosaic" --launch-skip 4 --launch-count 1 --section SpeedOfLight \
           --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section LaunchStats \
-          --section Occupancy --section SourceCounters -o "/tmp/ncu_$name" $PY ${spec#*|} > "/tmp/ncu_${name}_run.log" 2>&1
+          --section Occupancy --section SourceCounters --section ComputeWorkloadAnalysis --section InstructionStats \
+          -o "/tmp/ncu_$name" $PY ${spec#*|} > "/tmp/ncu_${name}_run.log" 2>&1
       ncu -i "/tmp/ncu_$name.ncu-rep" --page details > "$OUT/ncu_$name.txt" 2>&1
       ncu -i "/tmp/ncu_$name.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${name}_sass.csv" 2>&1
       [ -f "/tmp/ncu_$name.ncu-rep" ] || { tail -20 "/tmp/ncu_${name}_run.log" | tee "$OUT/ncu_${name}_run.log"; continue; }
