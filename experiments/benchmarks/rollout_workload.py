@@ -212,8 +212,6 @@ def step_measurement(engine_cls, policy, engine_config, cfg, args, rng, bw_copy)
     engine of the workload (its response buffer holds step_new tokens, so the half-length run has the same shapes).
     The step is the difference of two generates that pay the same prefill and per-call costs
     (`decode.time_decode`: step_new and step_new / 2 tokens, medians of interleaved runs)."""
-    import dataclasses
-
     n = args.step_new
     h = n // 2
     engine = engine_cls(policy, engine_config=dataclasses.replace(
