@@ -35,7 +35,7 @@ from jax import lax
 from pallas_kernels.attention_bwd import backward
 from pallas_kernels.attention_common import BLOCK_KV, BLOCK_Q, F32, fully_visible_blocks
 from pallas_kernels.attention_fwd import forward
-from pallas_kernels.attention_paged import paged_rows_attention, paired_rows_attention_fp8
+from pallas_kernels.attention_paged import paged_rows_attention
 
 __all__ = [
     "BLOCK_KV", "BLOCK_Q", "FlashConfig", "flash_attention", "paged_attention", "reference_attention",
@@ -193,42 +193,10 @@ def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float,
     tile_pos, tile_start = (x.reshape(b, r // BLOCK_Q, BLOCK_Q) for x in (row_pos, row_start))
     n_blocks = (tile_pos.max(axis=2) // BLOCK_KV + 1).astype(jnp.int32)
     full_blocks = jnp.stack(fully_visible_blocks(tile_start.max(axis=2), tile_pos.min(axis=2)), axis=-1)
-    page_table = jnp.asarray(page_table, jnp.int32)
-    if k_scales is not None and 2 * q_rows.shape[2] <= BLOCK_Q:
-        out = _paired_decode(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages, page_table, k_scales,
-                             v_scales, scale=float(scale), stages=config.paged_stages, interpret=interpret)
-        return out[:, :, :rows].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, h, d)
     out = paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages,
-                               page_table, k_scales, v_scales, scale=float(scale),
+                               jnp.asarray(page_table, jnp.int32), k_scales, v_scales, scale=float(scale),
                                stages=config.paged_stages, interpret=interpret)
     return out[:, :, :rows].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, h, d)
-
-
-def _paired_decode(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages, page_table, k_scales, v_scales,
-                   **kw):
-    """`paired_rows_attention_fp8` on a decode batch in `paged_rows_attention`'s operands (one partial tile a row).
-
-    A pair's pipeline runs its longer row's steps and fetches both rows' pages at every step (the shorter row's last
-    page again once it is done), so rows are paired in order of their block counts: neighbours differ little and
-    the repeated pages cost little. Each row's output is its own (the pairing changes no bit); an odd batch gets its
-    longest row again as the last partner (output dropped)."""
-    b, hkv, rr, d = q_rows.shape
-    order = jnp.argsort(n_blocks[:, 0], stable=True)
-    q_rows, row_pos, row_start, n_blocks, full_blocks, page_table = (
-        x[order] for x in (q_rows, row_pos, row_start, n_blocks, full_blocks, page_table))
-    if b % 2:
-        q_rows, row_pos, row_start, n_blocks, full_blocks, page_table = (
-            jnp.concatenate([x, x[-1:]]) for x in (q_rows, row_pos, row_start, n_blocks, full_blocks, page_table))
-    p = q_rows.shape[0] // 2
-    q_pairs = q_rows.reshape(p, 2, hkv, rr, d).transpose(0, 2, 1, 3, 4).reshape(p, hkv, 2 * rr, d)
-    tile_rows = lambda x: jnp.concatenate([x[0::2, :rr], x[1::2, :BLOCK_Q - rr]], axis=1)
-    last = jnp.minimum(jnp.arange(page_table.shape[1], dtype=jnp.int32)[None, :], n_blocks[:, :1] - 1)
-    tables = jnp.take_along_axis(page_table, last, axis=1).reshape(p, 2, -1)
-    out = paired_rows_attention_fp8(q_pairs, tile_rows(row_pos), tile_rows(row_start), n_blocks[:, 0].reshape(p, 2),
-                                    full_blocks[:, 0].reshape(p, 2, 2), k_pages, v_pages, tables, k_scales, v_scales,
-                                    **kw)
-    out = out.reshape(p, hkv, 2, rr, d).transpose(0, 2, 1, 3, 4).reshape(2 * p, hkv, rr, d)
-    return out[jnp.argsort(order)]
 
 
 # ------------------------------------------------------------------------------------------- reference

@@ -9,24 +9,19 @@ the same absolute blocks, so a token's output has the forward's bits whatever th
 the page order in the pool or the number of tokens decoded at once.
 
 FP8 pages (the `kv_cache="fp8"` contract, `jaxrl_fp8.precision.kv`): e4m3 values with one power-of-two scale
-per (token, key/value head). The memory warpgroup reads half the bytes; each block is dequantized into a BF16
-shared-memory tile (value x scale: exact, the scales keep every product a normal BF16 number), so the products see
-the very BF16 keys and values the trainer's forward sees. Two schedules, same bits:
-- `paged_rows_attention` (prefill, and decode with more than half a tile of query rows a row): a converter
-  warpgroup dequantizes block j + 1 while the compute warpgroup runs block j;
-- `paired_rows_attention_fp8` (decode): two batch rows a program, each compute warpgroup dequantizing and
-  multiplying its own row's blocks, so the two rows' dependent chains interleave on the SM.
+per (token, key/value head). The memory warpgroup reads half the bytes; a converter warpgroup dequantizes each
+block into a BF16 shared-memory tile (value x scale: exact, the scales keep every product a normal BF16 number)
+one block ahead of the compute warpgroup's wgmmas, so the products see the very BF16 keys and values the
+trainer's forward sees. A separate warpgroup, because conversion inside the compute warpgroup sits serially with
+its wgmmas and softmax (slower at 5 of 6 measured points, decision record 0014).
 
-`paged_rows_attention`'s grid is (key/value head, 64-row query tile, batch row), `paired_rows_attention_fp8`'s
-(key/value head, 1, pair of batch rows); one TMA warpgroup reads the pages in table order for the compute warpgroup
-(plus the converter) or the pair's two. A tile visits the blocks up to its last row's position (`n_blocks`, from the
-wrapper); the blocks visible to every row of the tile (`full_blocks`: all of a decode step's blocks but its last)
-skip the mask's integer work, as the training forward's do (`masked_unless`, the same bits).
+Grid (key/value head, 64-row query tile, batch); one compute warpgroup (plus the converter over FP8 pages) and one
+TMA warpgroup that reads the pages in table order. A tile visits the blocks up to its last row's position (`n_blocks`,
+from the wrapper); the blocks visible to every row of the tile (`full_blocks`: all of a decode step's blocks but its
+last) skip the mask's integer work, as the training forward's do (`masked_unless`, the same bits).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +35,7 @@ from pallas_kernels.attention_common import (
 from pallas_kernels.interpret import launch
 from pallas_kernels.kernel_cache import traced_once
 
-__all__ = ["paged_rows_attention", "paired_rows_attention_fp8"]
+__all__ = ["paged_rows_attention"]
 
 
 def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
@@ -54,28 +49,6 @@ def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
         s = plgpu.load(scales_smem.at[keys], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         out_smem[keys] = (x * lax.broadcast_in_dim(s, x.shape, [0])).astype(dtype)
     plgpu.commit_smem()
-
-
-def _attend_block(q_smem, p_staging, staging_index, step, k_smem, v_smem, carry, k_consumed=None, v_consumed=None,
-                  before_pv=lambda: None, *, c: float, interpret: bool):
-    """One key block of a tile: q.k, the training forward's online-softmax update (the mask only where the block is
-    not visible to the whole tile: carry's (lo, hi)), then p.v. carry = (acc, m, l, row_pos, row_start, (lo, hi))."""
-    acc, m_i, l_i, row_pos, row_start, (lo, hi) = carry
-    qk = wgmma_fresh(q_smem, k_smem.transpose((1, 0)), (BLOCK_Q, BLOCK_KV))
-    if k_consumed is not None:
-        plgpu.barrier_arrive(k_consumed)
-
-    def update(visible):
-        return online_softmax_step(qk, visible, m_i, l_i, acc, c)
-
-    masked = lambda: visible_keys(BLOCK_Q, step * BLOCK_KV, row_pos, row_start)
-    p, m_i, l_i, acc = masked_unless((step >= lo) & (step < hi), update, masked)
-    before_pv()
-    p_operand = a_operand(p.astype(q_smem.dtype), p_staging, staging_index, interpret)
-    acc = acc + wgmma_fresh(p_operand, v_smem, (BLOCK_Q, v_smem.shape[-1]))
-    if v_consumed is not None:
-        plgpu.barrier_arrive(v_consumed)
-    return acc, m_i, l_i, row_pos, row_start, (lo, hi)
 
 
 @traced_once("scale", "stages", "interpret")
@@ -155,7 +128,22 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
                 plgpu.copy_smem_to_gmem(qo_held, o_ref.at[bi, kvh, q_rows_here])
                 plgpu.wait_smem_to_gmem(0)
 
-        attend = functools.partial(_attend_block, qo_smem2.at[0], p_smem2, 0, c=c, interpret=interpret)
+        def attend(step, k_smem, v_smem, carry, k_consumed=None, v_consumed=None, before_pv=lambda: None):
+            acc, m_i, l_i, row_pos, row_start, (lo, hi) = carry
+            qk = wgmma_fresh(qo_smem2.at[0], k_smem.transpose((1, 0)), (BLOCK_Q, BLOCK_KV))
+            if k_consumed is not None:
+                plgpu.barrier_arrive(k_consumed)
+
+            def update(visible):
+                return online_softmax_step(qk, visible, m_i, l_i, acc, c)
+
+            masked = lambda: visible_keys(BLOCK_Q, step * BLOCK_KV, row_pos, row_start)
+            p, m_i, l_i, acc = masked_unless((step >= lo) & (step < hi), update, masked)
+            before_pv()
+            acc = acc + wgmma_fresh(a_operand(p.astype(dtype), p_smem2, 0, interpret), v_smem, (BLOCK_Q, d))
+            if v_consumed is not None:
+                plgpu.barrier_arrive(v_consumed)
+            return acc, m_i, l_i, row_pos, row_start, (lo, hi)
 
         def converter_body(idx, k_smem, v_smem, ks_smem, vs_smem, *rest):
             (step,) = idx
@@ -209,113 +197,3 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
     scales = (k_scales, v_scales) if fp8 else ()
     return launch(call, q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages, page_table, *scales,
                   interpret=interpret)
-
-
-@traced_once("scale", "stages", "interpret")
-def paired_rows_attention_fp8(q_pairs, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages, page_tables,
-                              k_scales, v_scales, *, scale: float, stages: int, interpret: bool):
-    """Decode over FP8 pages, two batch rows a program (a decode step's query rows fill at most half a tile).
-
-    q_pairs [P, Hkv, 2R, D] (R query rows of batch row 2p, then R of row 2p + 1; R a multiple of 8, 2R <= BLOCK_Q);
-    row_pos / row_start int32 [P, BLOCK_Q] (the shared tile's rows: row 2p's, then row 2p + 1's, then padding);
-    n_blocks int32 [P, 2]; full_blocks int32 [P, 2, 2]; page_tables int32 [P, 2, W] (entries from a row's n_blocks
-    on repeat its last page: the pair's pipeline runs max(n_blocks) steps); pages and scales as in
-    `paged_rows_attention` -> out [P, Hkv, 2R, D].
-
-    Both rows' queries share one 64-row tile; compute warpgroup i owns row 2p + i: per key block it dequantizes its
-    row's keys into its own BF16 tile, multiplies q.k, updates its softmax, dequantizes the values into the same tile
-    (q.k has read the keys) and multiplies p.v. A product's rows never mix, so warpgroup i's rows of the tile get the
-    bits the one-row kernel gives them, and the other row's are dropped. Why two rows: one program fits an SM (shared
-    memory), and over FP8 pages a row's block is a dependent chain (convert, wgmma, softmax, convert, wgmma) that a
-    single chain per SM left latency-bound (converter warpgroup: decision record 0014); two rows' chains interleave."""
-    p_count, hkv, r2, d = q_pairs.shape
-    r = r2 // 2
-    if r2 % 16 or r2 > BLOCK_Q:
-        raise ValueError(f"paired_rows_attention_fp8: {r2} query rows are not two whole 8-row groups per row within "
-                         f"one {BLOCK_Q}-row tile")
-    dtype = q_pairs.dtype
-    c = float(scale * LOG2E)
-    transforms = swizzled(dtype)
-    allocations = [
-        plgpu.SMEM((1, BLOCK_Q, d), dtype, transforms=transforms),
-        plgpu.Barrier(num_barriers=1),
-        a_staging((2, BLOCK_Q, BLOCK_KV), dtype, interpret),
-        plgpu.SMEM((2, BLOCK_KV, d), dtype, transforms=transforms),  # warpgroup i's keys, then values, then output
-    ]
-
-    def scoped(q_ref, pos_ref, start_ref, nblk_ref, full_ref, k_ref, v_ref, pt_ref, ks_ref, vs_ref, o_ref,
-               q_smem2, q_bar, p_smem2, tiles):
-        pi, kvh, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
-        q_smem = q_smem2.at[0]
-        steps = jnp.maximum(nblk_ref[pi, 0], nblk_ref[pi, 1])
-
-        def compute_thread(pipeline):
-            @pl.when(wg == 0)
-            def _():
-                plgpu.copy_gmem_to_smem(q_ref.at[pi, kvh], q_smem.at[pl.ds(0, r2)], q_bar.at[0])
-
-            plgpu.barrier_wait(q_bar.at[0])
-            row_pos = row_vector(pos_ref.at[pi])
-            row_start = row_vector(start_ref.at[pi])
-            bounds = (full_ref[pi, wg, 0], full_ref[pi, wg, 1])
-            acc, m_i, l_i = initial_softmax_state(BLOCK_Q, d)
-            acc, m_i, l_i = pipeline((acc, m_i, l_i, row_pos, row_start, bounds))[:3]
-            out, _ = finish_rows(acc, m_i, l_i)
-            for i in range(2):  # static slices: warpgroup i stores its row's R rows through its own tile
-
-                @pl.when(wg == i)
-                def _(i=i):
-                    tile = tiles.at[i]
-                    tile[pl.ds(0, BLOCK_Q)] = out.astype(dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(tile.at[pl.ds(i * r, r)], o_ref.at[pi, kvh, pl.ds(i * r, r)])
-                    plgpu.wait_smem_to_gmem(0)
-
-        def body(idx, *refs):
-            (step,) = idx
-            k0, v0, k1, v1, ks0, vs0, ks1, vs1, *consumed, carry = refs
-            rows = ((k0, v0, ks0, vs0, consumed[0], consumed[1], consumed[4], consumed[5]),
-                    (k1, v1, ks1, vs1, consumed[2], consumed[3], consumed[6], consumed[7]))
-
-            def run(i, carry):
-                k_smem, v_smem, ks_smem, vs_smem, k_done, v_done, ks_done, vs_done = rows[i]
-                for barrier in rows[1 - i][4:]:  # never reads the other row's slots
-                    plgpu.barrier_arrive(barrier)
-                tile = tiles.at[i]
-
-                def active(carry):
-                    _dequantize_block(k_smem, ks_smem, tile, dtype)
-                    plgpu.barrier_arrive(k_done)  # the FP8 slots are free once converted
-                    plgpu.barrier_arrive(ks_done)
-
-                    def values():  # q.k has read the keys (its wgmma was awaited)
-                        _dequantize_block(v_smem, vs_smem, tile, dtype)
-                        plgpu.barrier_arrive(v_done)
-                        plgpu.barrier_arrive(vs_done)
-
-                    return _attend_block(q_smem, p_smem2, i, step, tile, tile, carry, before_pv=values, c=c,
-                                         interpret=interpret)
-
-                def idle(carry):  # past this row's last block: its slots hold a repeated page, unread
-                    for barrier in (k_done, v_done, ks_done, vs_done):
-                        plgpu.barrier_arrive(barrier)
-                    return carry
-
-                return lax.cond(step < nblk_ref[pi, i], active, idle, carry)
-
-            return lax.cond(wg == 0, functools.partial(run, 0), functools.partial(run, 1), carry)
-
-        page = lambda i: plgpu.BlockSpec((None, BLOCK_KV, d), lambda s: (pt_ref[pi, i, s], 0, 0),
-                                         transforms=swizzled(k_ref.dtype, d))
-        scale_page = lambda i: plgpu.BlockSpec((None, BLOCK_KV), lambda s: (pt_ref[pi, i, s], 0))
-        pages = [k_ref.at[:, :, kvh, :], v_ref.at[:, :, kvh, :]]
-        scales = [ks_ref.at[:, kvh, :], vs_ref.at[:, kvh, :]]
-        specs = [page(0), page(0), page(1), page(1), scale_page(0), scale_page(0), scale_page(1), scale_page(1)]
-        pipeline = block_pipeline(body, steps, specs, stages=min(stages, 2), compute_wgs=2,
-                                  compute_thread=compute_thread)
-        pipeline(*pages, *pages, *scales, *scales)
-
-    call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q_pairs.shape, dtype), (hkv, 1, p_count),
-                       ("kv_heads", "rows", "batch"), 2, name="attention_paged_fp8_pairs")
-    return launch(call, q_pairs, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages, page_tables, k_scales,
-                  v_scales, interpret=interpret)

@@ -146,8 +146,7 @@ def test_each_decode_row_gets_the_bits_it_gets_alone():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_paged_unmasked_blocks_keep_the_bits(fp8, monkeypatch):
     """The paged kernel's key blocks visible to a whole tile skip the mask (`full_blocks`): decode rows and a prefill
-    tile, BF16 pages and FP8 pages (decode rows in pairs, the prefill through the converter), have the bits of the
-    kernel masking every block."""
+    tile, BF16 pages and FP8 pages (the converter's path), have the bits of the kernel masking every block."""
     b, t, h, hkv, d = 2, 300, 8, 2, 64
     q, k, v = _qkv(b, t, h, hkv, d, seed=9)
     kp, vp, table = _pages(k, v, 3, 8, seed=9)
@@ -165,18 +164,17 @@ def test_paged_unmasked_blocks_keep_the_bits(fp8, monkeypatch):
         prefill = A.paged_attention(q[:, 200:264], kp, vp, table, pre, scale=d**-0.5, interpret=_interpret(), **scales)
         return [np.asarray(x.astype(jnp.float32)) for x in (decode, prefill)]
 
-    kernels = {name: getattr(A, name) for name in ("paged_rows_attention", "paired_rows_attention_fp8")}
+    kernel = A.paged_rows_attention
 
-    def patch(full_blocks_of):  # both schedules (FP8 decode runs two rows a program) take full_blocks 5th
-        for name, kernel in kernels.items():
-            monkeypatch.setattr(A, name, lambda qr, rp, rs, nb, full, *rest, kernel=kernel, **kw: kernel(
-                qr, rp, rs, nb, full_blocks_of(full), *rest, **kw))
+    def recording(q_rows, row_pos, row_start, n_blocks, full_blocks, *rest, **kw):
+        seen.append(np.asarray(full_blocks))
+        return kernel(q_rows, row_pos, row_start, n_blocks, full_blocks, *rest, **kw)
 
-    patch(lambda full: seen.append(np.asarray(full)) or full)
+    monkeypatch.setattr(A, "paged_rows_attention", recording)
     skipping = run()
-    # blocks [0, hi) skip the mask (FP8 decode pairs its rows in order of length)
-    assert [sorted(x[..., 1].ravel().tolist()) for x in seen] == [[1, 2], [1] * 8]
-    patch(jnp.zeros_like)
+    assert [x[..., 1].ravel().tolist() for x in seen] == [[2, 1], [1] * 8]  # blocks [0, hi) skip the mask
+    monkeypatch.setattr(A, "paged_rows_attention", lambda qr, rp, rs, nb, full, *rest, **kw: kernel(
+        qr, rp, rs, nb, jnp.zeros_like(full), *rest, **kw))
     for got, want in zip(skipping, run()):
         np.testing.assert_array_equal(got, want)
 
@@ -249,29 +247,6 @@ def test_fp8_pages_give_the_training_forwards_bits(stages):
     for i in range(2):
         np.testing.assert_array_equal(c["got"][i, 0], full[i, c["pos"][i]])
     np.testing.assert_array_equal(c["out"], full[:, 200:264])
-
-
-@pytest.mark.parametrize("h,tq", [(8, 1), (16, 4)])
-def test_fp8_decode_pairs_keep_each_rows_bits(h, tq):
-    """A decode batch over FP8 pages runs two rows a program (`paired_rows_attention_fp8`, rows paired in order of
-    length): an odd batch of rows of different lengths (4, 1, 2, 2, 3 pages: pairs of 1 and 2, 2 and 3 pages, where
-    the shorter row idles while its partner reads on, and the longest row with itself), 1 or 4 new tokens
-    a row (4 x 8 heads = 32 rows: the shared tile full): every row == the BF16 kernel over the dequantized pages and
-    == itself decoded alone, bit for bit."""
-    b, t, hkv, d = 5, 400, 2, 64
-    q, k, v = _qkv(b, t, h, hkv, d, seed=11)
-    kp, vp, table = _pages(k * 3, v * 0.02, 4, 24, seed=11)
-    k8, v8, ks, vs, kd, vd = _fp8_pages(kp, vp)
-    last = np.array([399, 5, 128, 255, 300])  # 4, 1, 2, 2, 3 pages
-    pos = np.maximum(last[:, None] - np.arange(tq)[::-1], 0)
-    qd = jnp.stack([q[i, pos[i]] for i in range(b)])
-    run = lambda rows, *pages, **kw: np.asarray(A.paged_attention(
-        qd[rows], *pages, table[rows], jnp.asarray(pos[rows]), scale=d**-0.5, interpret=_interpret(),
-        **kw).astype(jnp.float32))
-    together = run(slice(None), k8, v8, k_scales=ks, v_scales=vs)
-    np.testing.assert_array_equal(together, run(slice(None), kd, vd))
-    for i in (0, 1, 4):
-        np.testing.assert_array_equal(run(slice(i, i + 1), k8, v8, k_scales=ks, v_scales=vs)[0], together[i])
 
 
 def test_fp8_pages_bad_arguments_name_themselves():

@@ -20,7 +20,7 @@ F8, BF16, F32, I32 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.int32
 
 NAMES = ("gemm_grouped_fp8", "gemm_dense_fp8", "gemm_grouped_bf16_nk", "gemm_grouped_bf16_kn", "gemm_dense_bf16_nk",
          "gemm_dense_bf16_kn", "gemm_wgrad_fp8", "gemm_wgrad_fp8_gather", "gemm_wgrad_bf16", "attention_fwd",
-         "attention_bwd_dq", "attention_bwd_dkv", "attention_paged", "attention_paged_fp8", "attention_paged_fp8_pairs")
+         "attention_bwd_dq", "attention_bwd_dkv", "attention_paged", "attention_paged_fp8")
 
 
 def _names(fn, *avals) -> set[str]:
@@ -55,7 +55,7 @@ CASES = {
     "attention_paged": (functools.partial(attention.paged_attention, scale=0.125),
                         (S((2, 1, 8, 128), BF16), S((8, attention.BLOCK_KV, 2, 128), BF16),
                          S((8, attention.BLOCK_KV, 2, 128), BF16), S((2, 4), I32), S((2, 1), I32))),
-    "attention_paged_fp8_pairs": (lambda q, k, v, table, pos, ks, vs: attention.paged_attention(
+    "attention_paged_fp8": (lambda q, k, v, table, pos, ks, vs: attention.paged_attention(
                                 q, k, v, table, pos, scale=0.125, k_scales=ks, v_scales=vs),
                             (S((2, 1, 8, 128), BF16), S((8, attention.BLOCK_KV, 2, 128), F8),
                              S((8, attention.BLOCK_KV, 2, 128), F8), S((2, 4), I32), S((2, 1), I32),
@@ -73,7 +73,7 @@ def test_kernel_lowers_under_its_name(monkeypatch, name):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_paged_prefill_kernel_lowers(monkeypatch, fp8):
     """A prefill's 128 query rows (two whole tiles), over BF16 or FP8 pages (the CASES above decode 8 rows: part of
-    one tile; over FP8 pages two batch rows a program)."""
+    one tile)."""
     monkeypatch.setattr(interpret_mode, "num_sms", lambda interpret: 132)
     pages = S((8, attention.BLOCK_KV, 2, 128), F8 if fp8 else BF16)
     scales = (S((8, 2, attention.BLOCK_KV), F32),) * 2 if fp8 else ()
