@@ -37,6 +37,15 @@ from pallas_kernels.kernel_cache import traced_once
 
 __all__ = ["paged_rows_attention"]
 
+# FP8 pages: two converter warpgroups (keys, values), so a block's conversion takes half the time of one converter
+# (one converter was the kernel's bound: decision record 0014). The pipeline would split the registers evenly
+# over the three non-memory warpgroups (152 each: the compute warpgroup spilled); instead the compute warpgroup
+# keeps the 232 it has beside one converter and the converters take 120 each: 40 + 232 + 2 x 120 = 512 a thread
+# slot (the register file's 64K over 128-thread warpgroups).
+CONVERTERS = 2
+COMPUTE_REGISTERS = 232
+CONVERTER_REGISTERS = 120
+
 
 def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
     """out = values x scale of their key (rows of BLOCK_KV keys), in 64-key halves to bound the registers; then
@@ -78,6 +87,7 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
 
     if fp8:  # two BF16 tiles of dequantized (k, v) leave shared memory for 2 FP8 stages
         stages = min(stages, 2)
+    compute_wgs = 1 + CONVERTERS if fp8 else 1
     allocations = [
         plgpu.SMEM((1, BLOCK_Q, d), dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=1),
@@ -102,7 +112,15 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
         def compute_thread(pipeline):
             qo_smem = qo_smem2.at[0]
             qo_held = qo_smem if tile_rows == BLOCK_Q else qo_smem.at[pl.ds(0, tile_rows)]
-            computes = wg == 0  # warpgroup 1, over FP8 pages, is the converter
+            computes = wg == 0  # warpgroups 1 (keys) and 2 (values), over FP8 pages, are the converters
+            if fp8:  # the pipeline splits the registers evenly: give the compute warpgroup back what it needs
+                @pl.when(computes)
+                def _():
+                    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+
+                @pl.when(~computes)
+                def _():
+                    plgpu.set_max_registers(CONVERTER_REGISTERS, action="decrease")
 
             @pl.when(computes)
             def _():
@@ -114,9 +132,9 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
             bounds = (full_ref[bi, rt, 0], full_ref[bi, rt, 1])
             acc, m_i, l_i = initial_softmax_state(BLOCK_Q, d)
             acc, m_i, l_i = pipeline((acc, m_i, l_i, row_pos, row_start, bounds))[:3]
-            if fp8:  # the converter observes the compute warpgroup's last releases (at most two)
+            if fp8:  # the converters observe the compute warpgroup's last releases (at most two)
                 for back in (2, 1):
-                    @pl.when((wg == 1) & (steps >= back))
+                    @pl.when((wg >= 1) & (steps >= back))
                     def _():
                         plgpu.barrier_wait(free.at[lax.rem(steps - back, 2)])
 
@@ -150,19 +168,19 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
             *consumed, carry = rest
             tile = lax.rem(step, 2)
 
-            @pl.when(wg == 1)
-            def _():
-                @pl.when(step >= 2)
+            for part, (values, scales) in enumerate(((k_smem, ks_smem), (v_smem, vs_smem))):
+                @pl.when(wg == 1 + part)  # warpgroup 1 converts the keys, 2 the values
                 def _():
-                    plgpu.barrier_wait(free.at[tile])  # the compute warpgroup is done with block step - 2
+                    @pl.when(step >= 2)
+                    def _():
+                        plgpu.barrier_wait(free.at[tile])  # the compute warpgroup is done with block step - 2
 
-                for part, (values, scales) in enumerate(((k_smem, ks_smem), (v_smem, vs_smem))):
                     _dequantize_block(values, scales, kv16.at[tile, part], dtype)
                     plgpu.barrier_arrive(ready.at[2 * tile + part])
-                for part in range(2):
-                    plgpu.barrier_wait(ready.at[2 * tile + part])  # its own arrivals complete them: every phase observed by both
+                    plgpu.barrier_wait(ready.at[2 * tile + part])  # its own arrival completes it: every phase observed
 
-            for barrier in consumed:  # the compute warpgroup never reads the FP8 slots: it arrives at once
+            for barrier in consumed:  # the compute warpgroup never reads the FP8 slots: it arrives at once, the converters
+                # once they converted
                 plgpu.barrier_arrive(barrier)
 
             def compute(carry):
@@ -188,11 +206,11 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
             specs += [scale_spec, scale_spec]
             operands += [ks_ref.at[:, kvh, :], vs_ref.at[:, kvh, :]]
         pipeline = block_pipeline(converter_body if fp8 else body, steps, specs, stages=stages,
-                                  compute_wgs=2 if fp8 else 1, compute_thread=compute_thread)
+                                  compute_wgs=compute_wgs, compute_thread=compute_thread)
         pipeline(*operands)
 
     call = kernel_call(scoped, allocations, jax.ShapeDtypeStruct(q_rows.shape, dtype), (hkv, tiles, b),
-                       ("kv_heads", "rows", "batch"), 2 if fp8 else 1,
+                       ("kv_heads", "rows", "batch"), compute_wgs,
                        name="attention_paged_fp8" if fp8 else "attention_paged")
     scales = (k_scales, v_scales) if fp8 else ()
     return launch(call, q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages, page_table, *scales,
