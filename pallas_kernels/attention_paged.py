@@ -9,13 +9,13 @@ the same absolute blocks, so a token's output has the forward's bits whatever th
 the page order in the pool or the number of tokens decoded at once.
 
 FP8 pages (the `kv_cache="fp8"` contract, `jaxrl_fp8.precision.kv`): e4m3 values with one power-of-two scale
-per (token, key/value head). The memory warpgroup reads half the bytes; a converter warpgroup dequantizes each
-block into a BF16 shared-memory tile (value x scale: exact, the scales keep every product a normal BF16 number)
+per (token, key/value head). The memory warpgroup reads half the bytes; two converter warpgroups (one for the
+keys, one for the values) dequantize each block into a BF16 shared-memory tile (value x scale: exact, the scales keep every product a normal BF16 number)
 one block ahead of the compute warpgroup's wgmmas, so the products see the very BF16 keys and values the
-trainer's forward sees. A separate warpgroup, because conversion inside the compute warpgroup sits serially with
+trainer's forward sees. Separate warpgroups, because conversion inside the compute warpgroup sits serially with
 its wgmmas and softmax (slower at 5 of 6 measured points, decision record 0014).
 
-Grid (key/value head, 64-row query tile, batch); one compute warpgroup (plus the converter over FP8 pages) and one
+Grid (key/value head, 64-row query tile, batch); one compute warpgroup (plus the converters over FP8 pages) and one
 TMA warpgroup that reads the pages in table order. A tile visits the blocks up to its last row's position (`n_blocks`,
 from the wrapper); the blocks visible to every row of the tile (`full_blocks`: all of a decode step's blocks but its
 last) skip the mask's integer work, as the training forward's do (`masked_unless`, the same bits).
@@ -67,9 +67,10 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
     [B, Rt / BLOCK_Q, 2] (lo, hi: key blocks lo <= j < hi are visible to every row of the tile), k/v_pages
     [P, BLOCK_KV, Hkv, D], page_table int32 [B, max_pages] -> out [B, Hkv, R, D]; Rt = R rounded up to BLOCK_Q.
     k/v_scales: None (pages in q's dtype) or float32 [P, Hkv, BLOCK_KV] (float8_e4m3fn pages, power-of-two
-    scales). FP8 pages: a converter warpgroup dequantizes block j + 1 into the other of two BF16 tiles while the
-    compute warpgroup runs block j (handshake: a `ready` barrier per tile and operand, keys first, so the q.k
-    product starts while the values convert; a `free` barrier per tile), at most 2 FP8 stages (shared memory).
+    scales). FP8 pages: the converter warpgroups dequantize block j + 1 (keys and values at once) into the other of
+    two BF16 tiles while the compute warpgroup runs block j (handshake: a `ready` barrier per tile and operand, so
+    the q.k product starts as soon as the keys are ready; a `free` barrier per tile), at most 2 FP8 stages (shared
+    memory).
 
     R is a multiple of BLOCK_Q, or smaller: then the one tile loads and stores only its R rows (a decode step's G
     query heads), and its other rows, left as they were in shared memory, are computed and dropped (rows of a
