@@ -58,6 +58,7 @@
 #                                            # f838134 src pallas_kernels experiments/benchmarks | tar -x -C .scratch/base),
 #                                            # 64 / 256 rows, 512 / 1k / 4k caches -> $OUT/attention_fp8_converters_{base,new}_<card>.json;
 #                                            # then, if the bit tests passed, the rollout workload bf16 + fp8_block_kv, two passes
+#                                            # (its timeout: the 2nd argument, default 280 s; 0 skips it)
 #   bash experiments/h200_runs.sh device_loops  # (~8 min) A/B: the decode while loop relaunched by the host every
 #                                            # step (XLA's default) vs one CUDA graph with conditional nodes
 #                                            # (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL), bf16 + fp8_block;
@@ -294,7 +295,7 @@ case "${1:-}" in
           --out "$OUT/attention_fp8_converters_${name}_$(card_name).json" 2>&1 | quiet | grep -E "^decode.*fp8|rror" \
           | sed "s/^/$name: /")
     done
-    grep -q " passed" "$OUT/fp8_converters_gpu_tests.log" && ! grep -q "failed" "$OUT/fp8_converters_gpu_tests.log" \
+    [ "${2:-280}" != 0 ] && grep -q " passed" "$OUT/fp8_converters_gpu_tests.log" && ! grep -q "failed" "$OUT/fp8_converters_gpu_tests.log" \
       && bash "$0" fp8_kv_workload "${2:-280}" bf16,fp8_block_kv 2 ;;
   chains)  # (~5 min) promotion chains (a K block promoted under the next one's wgmma) in the FP8 grouped forward and
            # weight gradient: their GPU bit tests, then the grouped forward (chains of 2 / 1) and the wgrad suite
