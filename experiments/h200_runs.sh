@@ -52,13 +52,11 @@
 #                                            # GPU tests, the sampler beside its one-level anchor at 256 rows, the rollout
 #                                            # workload (bf16, fp8_block; measured 2026-12-07 on an H100 in 324 s)
 #   bash experiments/h200_runs.sh dense_decode  # (~2 min) the decode step's dense FP8 GEMM tilings, in-program timing
-#   bash experiments/h200_runs.sh fp8_converters  # (~8 min) decode over FP8 pages with two converter warpgroups (keys,
-#                                            # values; registers rebalanced): the GPU bit tests, decode attention beside the
-#                                            # build before (carried .scratch/base: mkdir -p .scratch/base && git archive
-#                                            # f838134 src pallas_kernels experiments/benchmarks | tar -x -C .scratch/base),
-#                                            # 64 / 256 rows, 512 / 1k / 4k caches -> $OUT/attention_fp8_converters_{base,new}_<card>.json;
-#                                            # then, if the bit tests passed, the rollout workload bf16 + fp8_block_kv, two passes
-#                                            # (its timeout: the 2nd argument, default 280 s; 0 skips it)
+#   bash experiments/h200_runs.sh fp8_converters  # (~3 min) decode over FP8 pages with two converter warpgroups (keys,
+#                                            # values; registers rebalanced; FlashConfig.paged_fp8_converters=2) beside one:
+#                                            # the GPU bit tests of both, then decode attention at 64 / 256 rows, 512 / 1k / 4k
+#                                            # caches, both counts in one process -> $OUT/attention_fp8_converters_<card>.json.
+#                                            # If 2 wins: make it the default, then `pending` (the workload, three recipes)
 #   bash experiments/h200_runs.sh device_loops  # (~8 min) A/B: the decode while loop relaunched by the host every
 #                                            # step (XLA's default) vs one CUDA graph with conditional nodes
 #                                            # (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL), bf16 + fp8_block;
@@ -283,20 +281,12 @@ case "${1:-}" in
   pending)  # (~9 min) the rollout workload with three recipes, two passes, and the decode step as the difference of a
             # 64- and a 32-token run (medians of three), decode loops split from the rest of each pass
     bash "$0" fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2 ;;
-  fp8_converters)  # (~8 min) the paged kernel over FP8 pages with two converter warpgroups: GPU bits, its timing beside
-                   # the build before (.scratch/base), then the workload's bf16 / fp8_block_kv ratio
-    timeout 200 $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py tests/rollout/test_flash_rollout_gpu.py \
-      -k "fp8_pages or fp8_block_kv" -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/fp8_converters_gpu_tests.log" | tail -3
-    for tree in .scratch/base .; do
-      name=$([ "$tree" = . ] && echo new || echo base)
-      [ -d "$tree/pallas_kernels" ] || { echo "no $tree tree: skipped"; continue; }
-      (cd "$tree" && PYTHONPATH=src:. timeout 120 $PY experiments/benchmarks/attention.py --skip train \
-          --decode-batches 64,256 --decode-lengths 512,1024,4096 --fp8-kv \
-          --out "$OUT/attention_fp8_converters_${name}_$(card_name).json" 2>&1 | quiet | grep -E "^decode.*fp8|rror" \
-          | sed "s/^/$name: /")
-    done
-    [ "${2:-280}" != 0 ] && grep -q " passed" "$OUT/fp8_converters_gpu_tests.log" && ! grep -q "failed" "$OUT/fp8_converters_gpu_tests.log" \
-      && bash "$0" fp8_kv_workload "${2:-280}" bf16,fp8_block_kv 2 ;;
+  fp8_converters)  # (~3 min) the paged kernel over FP8 pages with one and with two converter warpgroups: GPU bits, timing
+    timeout 150 $PY -m pytest -q -m gpu tests/pallas_kernels/test_attention.py -k "fp8_pages" -p no:cacheprovider \
+      --tb=short 2>&1 | tee "$OUT/fp8_converters_gpu_tests.log" | tail -3
+    timeout 150 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
+      --decode-lengths 512,1024,4096 --fp8-kv --fp8-converters 1,2 --out "$OUT/attention_fp8_converters_$(card_name).json" \
+      2>&1 | quiet | grep -E "^decode.*fp8|rror" ;;
   chains)  # (~5 min) promotion chains (a K block promoted under the next one's wgmma) in the FP8 grouped forward and
            # weight gradient: their GPU bit tests, then the grouped forward (chains of 2 / 1) and the wgrad suite
            # (chains 1 / 2 beside transposed_ragged_dot_mgpu, our BF16 wgrad) on the MoE shapes

@@ -9,11 +9,12 @@ the same absolute blocks, so a token's output has the forward's bits whatever th
 the page order in the pool or the number of tokens decoded at once.
 
 FP8 pages (the `kv_cache="fp8"` contract, `jaxrl_fp8.precision.kv`): e4m3 values with one power-of-two scale
-per (token, key/value head). The memory warpgroup reads half the bytes; two converter warpgroups (one for the
-keys, one for the values) dequantize each block into a BF16 shared-memory tile (value x scale: exact, the scales keep every product a normal BF16 number)
-one block ahead of the compute warpgroup's wgmmas, so the products see the very BF16 keys and values the
-trainer's forward sees. Separate warpgroups, because conversion inside the compute warpgroup sits serially with
-its wgmmas and softmax (slower at 5 of 6 measured points, decision record 0014).
+per (token, key/value head). The memory warpgroup reads half the bytes; a converter warpgroup (or two: one for the
+keys, one for the values, `FlashConfig.paged_fp8_converters`) dequantizes each block into a BF16 shared-memory tile
+(value x scale: exact, the scales keep every product a normal BF16 number) one block ahead of the compute
+warpgroup's wgmmas, so the products see the very BF16 keys and values the trainer's forward sees. Separate
+warpgroups, because conversion inside the compute warpgroup sits serially with its wgmmas and softmax (slower at
+5 of 6 measured points, decision record 0014).
 
 Grid (key/value head, 64-row query tile, batch); one compute warpgroup (plus the converters over FP8 pages) and one
 TMA warpgroup that reads the pages in table order. A tile visits the blocks up to its last row's position (`n_blocks`,
@@ -37,12 +38,10 @@ from pallas_kernels.kernel_cache import traced_once
 
 __all__ = ["paged_rows_attention"]
 
-# FP8 pages: two converter warpgroups (keys, values), so a block's conversion takes half the time of one converter
-# (one converter was the kernel's bound: decision record 0014). The pipeline would split the registers evenly
-# over the three non-memory warpgroups (152 each: the compute warpgroup spilled); instead the compute warpgroup
-# keeps the 232 it has beside one converter and the converters take 120 each: 40 + 232 + 2 x 120 = 512 a thread
-# slot (the register file's 64K over 128-thread warpgroups).
-CONVERTERS = 2
+# Two converter warpgroups (FP8 pages, `converters=2`): the pipeline would split the registers evenly over the
+# three non-memory warpgroups (152 each: the compute warpgroup spilled, decision record 0014); instead the compute
+# warpgroup keeps the 232 it has beside one converter and the converters take 120 each: 40 + 232 + 2 x 120 = 512
+# a thread slot (the register file's 64K over 128-thread warpgroups).
 COMPUTE_REGISTERS = 232
 CONVERTER_REGISTERS = 120
 
@@ -60,17 +59,17 @@ def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
     plgpu.commit_smem()
 
 
-@traced_once("scale", "stages", "interpret")
+@traced_once("scale", "stages", "interpret", "converters")
 def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pages, v_pages, page_table, k_scales=None,
-                         v_scales=None, *, scale: float, stages: int, interpret: bool):
+                         v_scales=None, *, scale: float, stages: int, interpret: bool, converters: int = 1):
     """q_rows [B, Hkv, R, D], row_pos / row_start int32 [B, Rt], n_blocks int32 [B, Rt / BLOCK_Q], full_blocks int32
     [B, Rt / BLOCK_Q, 2] (lo, hi: key blocks lo <= j < hi are visible to every row of the tile), k/v_pages
     [P, BLOCK_KV, Hkv, D], page_table int32 [B, max_pages] -> out [B, Hkv, R, D]; Rt = R rounded up to BLOCK_Q.
     k/v_scales: None (pages in q's dtype) or float32 [P, Hkv, BLOCK_KV] (float8_e4m3fn pages, power-of-two
-    scales). FP8 pages: the converter warpgroups dequantize block j + 1 (keys and values at once) into the other of
-    two BF16 tiles while the compute warpgroup runs block j (handshake: a `ready` barrier per tile and operand, so
-    the q.k product starts as soon as the keys are ready; a `free` barrier per tile), at most 2 FP8 stages (shared
-    memory).
+    scales). FP8 pages: `converters` warpgroups (1: one for both operands, keys first; 2: one for the keys, one
+    for the values, at once) dequantize block j + 1 into the other of two BF16 tiles while the compute warpgroup
+    runs block j (handshake: a `ready` barrier per tile and operand, so the q.k product starts as soon as the keys
+    are ready; a `free` barrier per tile), at most 2 FP8 stages (shared memory). Same bits either way.
 
     R is a multiple of BLOCK_Q, or smaller: then the one tile loads and stores only its R rows (a decode step's G
     query heads), and its other rows, left as they were in shared memory, are computed and dropped (rows of a
@@ -88,7 +87,7 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
 
     if fp8:  # two BF16 tiles of dequantized (k, v) leave shared memory for 2 FP8 stages
         stages = min(stages, 2)
-    compute_wgs = 1 + CONVERTERS if fp8 else 1
+    compute_wgs = 1 + converters if fp8 else 1
     allocations = [
         plgpu.SMEM((1, BLOCK_Q, d), dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=1),
@@ -113,8 +112,8 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
         def compute_thread(pipeline):
             qo_smem = qo_smem2.at[0]
             qo_held = qo_smem if tile_rows == BLOCK_Q else qo_smem.at[pl.ds(0, tile_rows)]
-            computes = wg == 0  # warpgroups 1 (keys) and 2 (values), over FP8 pages, are the converters
-            if fp8:  # the pipeline splits the registers evenly: give the compute warpgroup back what it needs
+            computes = wg == 0  # over FP8 pages, warpgroup 1 (keys, and values with one converter) and 2 (values)
+            if fp8 and converters == 2:  # the pipeline splits the registers evenly: give the compute warpgroup back what it needs
                 @pl.when(computes)
                 def _():
                     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
@@ -169,16 +168,20 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
             *consumed, carry = rest
             tile = lax.rem(step, 2)
 
-            for part, (values, scales) in enumerate(((k_smem, ks_smem), (v_smem, vs_smem))):
-                @pl.when(wg == 1 + part)  # warpgroup 1 converts the keys, 2 the values
+            for converter in range(1, converters + 1):
+                @pl.when(wg == converter)
                 def _():
                     @pl.when(step >= 2)
                     def _():
                         plgpu.barrier_wait(free.at[tile])  # the compute warpgroup is done with block step - 2
 
-                    _dequantize_block(values, scales, kv16.at[tile, part], dtype)
-                    plgpu.barrier_arrive(ready.at[2 * tile + part])
-                    plgpu.barrier_wait(ready.at[2 * tile + part])  # its own arrival completes it: every phase observed
+                    parts = (0, 1) if converters == 1 else (converter - 1,)  # (keys, values) or its one operand
+                    operands = ((k_smem, ks_smem), (v_smem, vs_smem))
+                    for part in parts:
+                        _dequantize_block(*operands[part], kv16.at[tile, part], dtype)
+                        plgpu.barrier_arrive(ready.at[2 * tile + part])
+                    for part in parts:  # its own arrivals complete them: every phase observed by it
+                        plgpu.barrier_wait(ready.at[2 * tile + part])
 
             for barrier in consumed:  # the compute warpgroup never reads the FP8 slots: it arrives at once, the converters
                 # once they converted

@@ -83,20 +83,23 @@ def training_points(lengths, iters, results, out):
         del q, k, v, g
 
 
-def fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps):
+def fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps, converters=1):
     """The paged decode step over FP8 pages (`kv_cache="fp8"`: e4m3 values, a power-of-two scale per token and
-    head, dequantized in the kernel by a converter warpgroup) of the same keys ("fp8 kv"); its output is compared bit
-    for bit with the BF16 kernel over the dequantized pages (the values the trainer's forward attends over)."""
+    head, dequantized in the kernel by `converters` converter warpgroups) of the same keys ("fp8 kv", "fp8 kv, 2
+    converters"); its output is compared bit for bit with the BF16 kernel over the dequantized pages (the values the
+    trainer's forward attends over)."""
     from jaxrl_fp8.precision.kv import quantize_kv
 
     kq, vq = quantize_kv(kp), quantize_kv(vp)
     ks, vs = (x.scales.transpose(0, 2, 1) for x in (kq, vq))
     args = (q, kq.values, vq.values, table, pos, ks, vs)
+    cfg = A.FlashConfig(paged_fp8_converters=converters)
     f8 = jax.jit(lambda q, kp, vp, table, pos, ks, vs: A.paged_attention(
-        q, kp, vp, table, pos, scale=D**-0.5, k_scales=ks, v_scales=vs))
+        q, kp, vp, table, pos, scale=D**-0.5, k_scales=ks, v_scales=vs, config=cfg))
     r = _time(f8, *args, iters=iters)
     kv_bytes = 2 * b * s * HKV * (D + 4)
-    row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, "variant": "fp8 kv", **r}
+    variant = "fp8 kv" if converters == A.FlashConfig().paged_fp8_converters else f"fp8 kv, {converters} converters"
+    row = {"kind": "decode", "batch": b, "cache_len": s, "kv_bytes": kv_bytes, "variant": variant, **r}
     if "median_s" in r:
         row["roofline_s"] = kv_bytes / copy_bps
         row["fraction_of_roofline"] = row["roofline_s"] / r["median_s"]
@@ -107,10 +110,12 @@ def fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps):
     return row
 
 
-def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=(), fp8_kv=False):
+def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variants=(), fp8_kv=False,
+                  fp8_converters=(1,)):
     """The paged decode step per (batch, cache length) under the default config, under each pipeline depth of
     `stage_variants` (FlashConfig.paged_stages: fewer stages leave shared memory for a second program per SM), each
-    variant's output compared with the default's bit for bit; with `fp8_kv`, over FP8 pages (`fp8_decode_point`)."""
+    variant's output compared with the default's bit for bit; with `fp8_kv`, over FP8 pages (`fp8_decode_point`) with
+    each count of converter warpgroups in `fp8_converters`."""
     default = A.FlashConfig()
     configs = [("default", default)] + [(f"stages {s}", A.FlashConfig(paged_stages=s)) for s in stage_variants
                                         if s != default.paged_stages]
@@ -148,8 +153,8 @@ def decode_points(batches, lengths, iters, copy_bps, results, out, stage_variant
                       f"roofline fraction {row.get('fraction_of_roofline')}  bitwise {row.get('bitwise_vs_default')}",
                       flush=True)
                 write_results(out, results)
-            if fp8_kv:
-                row = fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps)
+            for converters in fp8_converters if fp8_kv else ():
+                row = fp8_decode_point(b, s, q, kp, vp, table, pos, iters, copy_bps, converters)
                 results["points"].append(row)
                 print(f"decode B={b:4d} S={s:6d} {row['variant']:16s} {row.get('median_s', row.get('error'))} s  "
                       f"roofline fraction {row.get('fraction_of_roofline')}  "
@@ -177,6 +182,9 @@ def main(argv=None):
                    help="also time the decode step over FP8 pages (kv_cache='fp8': e4m3 values and a power-of-two "
                         "scale per token and head, half the bytes, dequantized by a converter warpgroup) and compare its "
                         "bits with the BF16 kernel over the dequantized pages")
+    p.add_argument("--fp8-converters", default="1",
+                   help="with --fp8-kv: comma list of converter warpgroup counts (FlashConfig.paged_fp8_converters, 1 or "
+                        "2) to time over FP8 pages (default: %(default)s)")
     p.add_argument("--out", default="experiments/benchmarks/results/attention_h200.json", help="JSON path")
     a = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -193,7 +201,7 @@ def main(argv=None):
         results["copy_bytes_per_s"] = bps
         decode_points([int(x) for x in a.decode_batches.split(",")], [int(x) for x in a.decode_lengths.split(",")],
                       a.iters, bps, results, a.out, [int(x) for x in a.paged_stages.split(",") if x],
-                      fp8_kv=a.fp8_kv)
+                      fp8_kv=a.fp8_kv, fp8_converters=[int(x) for x in a.fp8_converters.split(",") if x])
     write_results(a.out, results)
 
 

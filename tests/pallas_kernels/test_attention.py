@@ -202,7 +202,7 @@ def _fp8_pages(kp, vp):
             kq.dequantize(BF16), vq.dequantize(BF16))
 
 
-def _fp8_paged_case(stages):
+def _fp8_paged_case(stages, converters=1):
     """Decode rows and a 64-row prefill tile of the paged kernel over FP8 pages, with the inputs of its references."""
     b, t, h, hkv, d = 2, 300, 8, 2, 64
     q, k, v = _qkv(b, t, h, hkv, d, seed=8)
@@ -211,7 +211,7 @@ def _fp8_paged_case(stages):
     k8, v8, ks, vs, kd, vd = _fp8_pages(kp, vp)
     pos = np.array([299, 130])
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
-    cfg = A.FlashConfig(paged_stages=stages)
+    cfg = A.FlashConfig(paged_stages=stages, paged_fp8_converters=converters)
     run = lambda *pages, **kw: np.asarray(A.paged_attention(qd, *pages, table, jnp.asarray(pos)[:, None], scale=d**-0.5,
                                                             interpret=_interpret(), **kw).astype(jnp.float32))
     got = run(k8, v8, k_scales=ks, v_scales=vs, config=cfg)
@@ -222,12 +222,13 @@ def _fp8_paged_case(stages):
     return dict(q=q, k=k, v=v, d=d, pos=pos, got=got, bf16_decode=run(kd, vd), out=out, bf16_prefill=prefill(kd, vd))
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_fp8_pages_give_the_bits_of_their_dequantized_values(stages):
-    """FP8 pages (e4m3 + a power-of-two scale per token and head, dequantized by the converter warpgroup, through 1 or
-    2 pipeline stages: a block's FP8 slot is released before or after the next is converted) == the BF16 kernel over
-    the dequantized pages, bit for bit, for decode rows and a prefill tile."""
-    c = _fp8_paged_case(stages)
+@pytest.mark.parametrize("stages,converters", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_fp8_pages_give_the_bits_of_their_dequantized_values(stages, converters):
+    """FP8 pages (e4m3 + a power-of-two scale per token and head, dequantized by one converter warpgroup or by one
+    for the keys and one for the values, through 1 or 2 pipeline stages: a block's FP8 slot is released before or
+    after the next is converted) == the BF16 kernel over the dequantized pages, bit for bit, for decode rows and a
+    prefill tile."""
+    c = _fp8_paged_case(stages, converters)
     np.testing.assert_array_equal(c["got"], c["bf16_decode"])
     np.testing.assert_array_equal(c["out"], c["bf16_prefill"])
 
@@ -256,6 +257,9 @@ def test_fp8_pages_bad_arguments_name_themselves():
     pos = jnp.asarray([[129]], jnp.int32)
     with pytest.raises(ValueError, match="both k_scales and v_scales"):
         A.paged_attention(q[:, :1], k8, v8, table, pos, scale=1.0, k_scales=ks, interpret=True)
+    with pytest.raises(ValueError, match="FlashConfig.paged_fp8_converters=3 is not 1 or 2"):
+        A.paged_attention(q[:, :1], k8, v8, table, pos, scale=1.0, k_scales=ks, v_scales=vs, interpret=True,
+                          config=A.FlashConfig(paged_fp8_converters=3))
     with pytest.raises(ValueError, match="are not \\[P, Hkv"):
         A.paged_attention(q[:, :1], k8, v8, table, pos, scale=1.0, k_scales=ks[:, :1], v_scales=vs, interpret=True)
     with pytest.raises(ValueError, match="must be float8_e4m3fn"):
@@ -295,9 +299,11 @@ def test_gpu_long_rows_bits_and_accuracy():
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_pages_bits_at_4k():
-    """4k-token rows, Qwen3-30B-A3B heads: the FP8-page kernel (dequantized in shared memory) == the BF16 kernel over
-    the dequantized pages == the training forward over the fake-quantized keys, bit for bit (decode and prefill)."""
+@pytest.mark.parametrize("converters", [1, 2])
+def test_gpu_fp8_pages_bits_at_4k(converters):
+    """4k-token rows, Qwen3-30B-A3B heads: the FP8-page kernel (dequantized in shared memory by one or two converter
+    warpgroups) == the BF16 kernel over the dequantized pages == the training forward over the fake-quantized keys,
+    bit for bit (decode and prefill)."""
     from jaxrl_fp8.precision.kv import fake_quantize_kv
 
     b, t, h, hkv, d = 2, 4096, 32, 4, 128
@@ -311,12 +317,13 @@ def test_gpu_fp8_pages_bits_at_4k():
     qd = jnp.stack([q[i, pos[i]] for i in range(b)])[:, None]
     deq = np.asarray(A.paged_attention(qd, kd, vd, table, jnp.asarray(pos)[:, None], scale=sc).astype(jnp.float32))
     pre = jnp.broadcast_to(jnp.arange(0, 256, dtype=jnp.int32), (b, 256))
+    cfg = A.FlashConfig(paged_fp8_converters=converters)
     got = np.asarray(A.paged_attention(qd, k8, v8, table, jnp.asarray(pos)[:, None], scale=sc, k_scales=ks,
-                                       v_scales=vs).astype(jnp.float32))
+                                       v_scales=vs, config=cfg).astype(jnp.float32))
     np.testing.assert_array_equal(got, deq)
     for i in range(b):
         np.testing.assert_array_equal(got[i, 0], full[i, pos[i]])
-    out = A.paged_attention(q[:, :256], k8, v8, table, pre, scale=sc, k_scales=ks, v_scales=vs)
+    out = A.paged_attention(q[:, :256], k8, v8, table, pre, scale=sc, k_scales=ks, v_scales=vs, config=cfg)
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), full[:, :256])
 
 

@@ -70,17 +70,18 @@ def test_kernel_lowers_under_its_name(monkeypatch, name):
     assert _names(fn, *avals) == {name}
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_paged_prefill_kernel_lowers(monkeypatch, fp8):
-    """A prefill's 128 query rows (two whole tiles), over BF16 or FP8 pages (the CASES above decode 8 rows: part of
-    one tile)."""
+@pytest.mark.parametrize("fp8,converters", [(False, 1), (True, 1), (True, 2)])
+def test_paged_prefill_kernel_lowers(monkeypatch, fp8, converters):
+    """A prefill's 128 query rows (two whole tiles), over BF16 or FP8 pages, FP8 with one or two converter
+    warpgroups (registers rebalanced by setmaxnreg) (the CASES above decode 8 rows: part of one tile)."""
     monkeypatch.setattr(interpret_mode, "num_sms", lambda interpret: 132)
     pages = S((8, attention.BLOCK_KV, 2, 128), F8 if fp8 else BF16)
     scales = (S((8, 2, attention.BLOCK_KV), F32),) * 2 if fp8 else ()
 
     def fn(q, k, v, table, pos, *sc):
         return attention.paged_attention(q, k, v, table, pos, scale=0.125, k_scales=sc[0] if sc else None,
-                                         v_scales=sc[1] if sc else None)
+                                         v_scales=sc[1] if sc else None,
+                                         config=attention.FlashConfig(paged_fp8_converters=converters))
 
     assert _names(fn, S((2, 16, 8, 128), BF16), pages, pages, S((2, 4), I32), S((2, 16), I32), *scales) == {
         "attention_paged_fp8" if fp8 else "attention_paged"}
