@@ -57,6 +57,10 @@
 #                                            # the GPU bit tests of both, then decode attention at 64 / 256 rows, 512 / 1k / 4k
 #                                            # caches, both counts in one process -> $OUT/attention_fp8_converters_<card>.json.
 #                                            # If 2 wins: make it the default, then `pending` (the workload, three recipes)
+#   bash experiments/h200_runs.sh workload_depth [LAYERS]  # (~7 min estimated at 8) the rollout workload on a deeper
+#                                            # slice (default 8 layers), bf16 + fp8_block, two passes: how much of the 4-layer
+#                                            # slice's FP8 / BF16 gap is the step's shared BF16 part (lm_head, sampler, routing)
+#                                            # -> $OUT/rollout_workload_<LAYERS>layers_<card>.json (fold under `calls`)
 #   bash experiments/h200_runs.sh device_loops  # (~8 min) A/B: the decode while loop relaunched by the host every
 #                                            # step (XLA's default) vs one CUDA graph with conditional nodes
 #                                            # (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL), bf16 + fp8_block;
@@ -287,6 +291,10 @@ case "${1:-}" in
     timeout 150 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
       --decode-lengths 512,1024,4096 --fp8-kv --fp8-converters 1,2 --out "$OUT/attention_fp8_converters_$(card_name).json" \
       2>&1 | quiet | grep -E "^decode.*fp8|rror" ;;
+  workload_depth)  # the rollout workload on a deeper Qwen3-30B-A3B-shaped slice, bf16 + fp8_block, two passes
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 560 $PY experiments/benchmarks/rollout_workload.py --layers "${2:-8}" \
+      --recipes bf16,fp8_block --schedulers continuous --passes 2 \
+      --out "$OUT/rollout_workload_${2:-8}layers_$(card_name).json" 2>&1 | quiet | tail -12 ;;
   chains)  # (~5 min) promotion chains (a K block promoted under the next one's wgmma) in the FP8 grouped forward and
            # weight gradient: their GPU bit tests, then the grouped forward (chains of 2 / 1) and the wgrad suite
            # (chains 1 / 2 beside transposed_ragged_dot_mgpu, our BF16 wgrad) on the MoE shapes
