@@ -51,7 +51,8 @@ class FlashConfig:
     bwd_stages: int = 2
     paged_stages: int = 3
     bwd_dq_keys: int = 128  # keys per step of the backward's dq kernel (128, or 64: 1-2 % slower on an H100; the gradients' bits depend on it)
-    paged_fp8_converters: int = 1  # warpgroups dequantizing FP8 pages: 1 (both operands), or 2 (keys / values; same bits, not yet timed on a GPU)
+    # warpgroups dequantizing FP8 pages: 1 (both operands), or 2 (keys / values; same bits, not yet timed on a GPU)
+    paged_fp8_converters: int = 1
 
 
 def supports(head_dim: int, dtype) -> str | None:
@@ -174,7 +175,8 @@ def paged_attention(q, k_pages, v_pages, page_table, positions, *, scale: float,
             raise ValueError(f"paged_attention: scaled pages must be float8_e4m3fn, got {k_pages.dtype} / {v_pages.dtype}")
         k_scales, v_scales = (jnp.asarray(x, jnp.float32) for x in (k_scales, v_scales))
     if config.paged_fp8_converters not in (1, 2):
-        raise ValueError(f"paged_attention: FlashConfig.paged_fp8_converters={config.paged_fp8_converters} is not 1 or 2")
+        raise ValueError(f"paged_attention: FlashConfig.paged_fp8_converters={config.paged_fp8_converters} "
+                         "is not 1 or 2")
     if h % hkv:
         raise ValueError(f"paged_attention: {h} query heads do not divide into {hkv} key/value heads")
     if positions.shape != (b, tq) or page_table.ndim != 2 or page_table.shape[0] != b:

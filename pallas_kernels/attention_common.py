@@ -15,6 +15,7 @@ F32 = jnp.float32
 LOG2E = math.log2(math.e)
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 BLOCK_KV = 128  # keys per block = tokens per KV-cache page
+MEMORY_REGISTERS = 40  # a thread of the TMA (memory) warpgroup: it only issues copies
 
 # ------------------------------------------------------------------------------------------ the math rule
 
@@ -140,11 +141,12 @@ def take_turn(turn):
 
 
 def block_pipeline(body, steps, in_specs, *, stages: int, compute_wgs: int, compute_thread):
-    """The family's warp-specialized TMA pipeline: one memory warpgroup (40 registers) feeding `compute_wgs`
+    """The family's warp-specialized TMA pipeline: one memory warpgroup (MEMORY_REGISTERS) feeding `compute_wgs`
     compute warpgroups, which arrive on the consumed barriers themselves (as soon as a block is read)."""
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg", num_compute_wgs=compute_wgs,
-        max_concurrent_steps=stages, manual_consumed_barriers=True, compute_context=compute_thread)
+        body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=in_specs, wg_axis="wg",
+        num_compute_wgs=compute_wgs, max_concurrent_steps=stages, manual_consumed_barriers=True,
+        compute_context=compute_thread)
 
 
 def kernel_call(scoped, allocations, out_type, grid, grid_names, compute_wgs: int, *, name: str):

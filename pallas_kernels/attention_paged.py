@@ -31,8 +31,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention_common import (
-    BLOCK_KV, BLOCK_Q, LOG2E, a_operand, a_staging, block_pipeline, finish_rows, initial_softmax_state, kernel_call,
-    masked_unless, online_softmax_step, row_vector, swizzled, visible_keys, wgmma_fresh)
+    BLOCK_KV, BLOCK_Q, LOG2E, MEMORY_REGISTERS, a_operand, a_staging, block_pipeline, finish_rows,
+    initial_softmax_state, kernel_call, masked_unless, online_softmax_step, row_vector, swizzled, visible_keys,
+    wgmma_fresh)
 from pallas_kernels.interpret import launch
 from pallas_kernels.kernel_cache import traced_once
 
@@ -40,10 +41,11 @@ __all__ = ["paged_rows_attention"]
 
 # Two converter warpgroups (FP8 pages, `converters=2`): the pipeline would split the registers evenly over the
 # three non-memory warpgroups (152 each: the compute warpgroup spilled, decision record 0014); instead the compute
-# warpgroup keeps the 232 it has beside one converter and the converters take 120 each: 40 + 232 + 2 x 120 = 512
-# a thread slot (the register file's 64K over 128-thread warpgroups).
-COMPUTE_REGISTERS = 232
-CONVERTER_REGISTERS = 120
+# warpgroup keeps what it has beside one converter (232) and the converters share the rest (120 each). A thread slot
+# of each warpgroup together holds 512 (the register file's 64K over 128-thread warpgroups); counts are multiples of 8.
+_REGISTER_SLOTS = 512
+COMPUTE_REGISTERS = (_REGISTER_SLOTS - MEMORY_REGISTERS) // 2 // 8 * 8
+CONVERTER_REGISTERS = (_REGISTER_SLOTS - MEMORY_REGISTERS - COMPUTE_REGISTERS) // 2 // 8 * 8
 
 
 def _dequantize_block(values_smem, scales_smem, out_smem, dtype):
@@ -113,7 +115,7 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
             qo_smem = qo_smem2.at[0]
             qo_held = qo_smem if tile_rows == BLOCK_Q else qo_smem.at[pl.ds(0, tile_rows)]
             computes = wg == 0  # over FP8 pages, warpgroup 1 (keys, and values with one converter) and 2 (values)
-            if fp8 and converters == 2:  # the pipeline splits the registers evenly: give the compute warpgroup back what it needs
+            if fp8 and converters == 2:  # the pipeline split the registers evenly: rebalance (COMPUTE_REGISTERS)
                 @pl.when(computes)
                 def _():
                     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
@@ -183,8 +185,8 @@ def paged_rows_attention(q_rows, row_pos, row_start, n_blocks, full_blocks, k_pa
                     for part in parts:  # its own arrivals complete them: every phase observed by it
                         plgpu.barrier_wait(ready.at[2 * tile + part])
 
-            for barrier in consumed:  # the compute warpgroup never reads the FP8 slots: it arrives at once, the converters
-                # once they converted
+            # the compute warpgroup never reads the FP8 slots: it arrives at once, the converters once they converted
+            for barrier in consumed:
                 plgpu.barrier_arrive(barrier)
 
             def compute(carry):
