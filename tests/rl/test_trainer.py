@@ -93,6 +93,27 @@ def test_update_with_micro_batches_steps_like_the_whole_minibatch():
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 
 
+def test_non_finite_update_keeps_masters_and_optimizer_state():
+    """A NaN advantage makes the loss NaN: the update is skipped (masters and optimizer state unchanged, bit for bit)
+    and reported as `finite` 0; the next finite minibatch updates as usual."""
+    t = _trainer(2, LOSSES["token_mean_tis"])
+    t.optimizer = optax.adam(1e-2)  # state that moves on every update (moments, count)
+    t.opt_state = t.optimizer.init(t.params)
+    t._update_jit = jax.jit(t._update)  # not donated: the test keeps the old trees to compare
+    mb = {k: jnp.asarray(v) for k, v in _minibatch(t.cfg, seed=2).items()}
+    nt = jnp.float32(mb["mask"].sum())
+    params0, opt0 = t.params, t.opt_state
+    bad = dict(mb, advantages=mb["advantages"].at[0].set(jnp.nan))
+    p1, o1, m1 = t.apply_update(bad, nt)
+    assert float(m1["finite"]) == 0.0 and not np.isfinite(float(m1["loss"]))
+    for a, b in zip(jax.tree.leaves((params0, opt0)), jax.tree.leaves((p1, o1))):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    p2, o2, m2 = t.apply_update(mb, nt)
+    assert float(m2["finite"]) == 1.0
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(params0), jax.tree.leaves(p2)))
+    assert int(jax.tree.leaves(o2)[0]) == 1  # adam's count: the skipped update did not count
+
+
 def test_old_logprobs_with_chunked_logits_match():
     loss = LOSSES["token_mean_tis"]
     whole, chunked = _trainer(0, loss), _trainer(0, loss, logit_chunk=5)

@@ -239,14 +239,23 @@ class Trainer:
         return jnp.sum(losses), combine_micro_metrics(per_micro, counts), grads
 
     def _update(self, params, opt_state, mb, num_tokens):
+        """One optimizer update; a non-finite loss or gradient leaves the masters and the optimizer state as they were.
+
+        The skip is a `lax.cond`, not a `where` over the updated and the old trees: the `where` is one more pass over
+        every master and moment (and keeps both trees alive: copies of the donated buffers), while the cond's identity
+        branch returns the donated buffers untouched and its update branch writes them in place."""
         loss, metrics, grads = self._grads(params, mb, num_tokens)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = self.optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+        def step(state):
+            params, opt_state = state
+            updates, new_opt = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt
+
+        new_params, new_opt = jax.lax.cond(finite, step, lambda state: state, (params, opt_state))
         metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite.astype(jnp.float32))
-        return keep(new_params, params), keep(new_opt, opt_state), metrics
+        return new_params, new_opt, metrics
 
     def apply_update(self, mb, num_tokens):
         """One optimizer update of the current masters on minibatch `mb` (multi-host: this process's rows), the loss
