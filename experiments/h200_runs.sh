@@ -57,6 +57,9 @@
 #                                            # the GPU bit tests of both, then decode attention at 64 / 256 rows, 512 / 1k / 4k
 #                                            # caches, both counts in one process -> $OUT/attention_fp8_converters_<card>.json.
 #                                            # If 2 wins: make it the default, then `pending` (the workload, three recipes)
+#   bash experiments/h200_runs.sh wgrad_out   # (~3 min) the MoE wgrad kernels (FP8, BF16) storing BF16 as they finish a tile
+#                                            # (out_dtype: the trainer's compute dtype) vs float32 (+ XLA's convert), 4 / 5
+#                                            # stages, 16384 / 4096 tokens; GPU bit tests -> $OUT/gemm_wgrad_out_<card>.json
 #   bash experiments/h200_runs.sh workload_depth [LAYERS]  # (~7 min estimated at 8) the rollout workload on a deeper
 #                                            # slice (default 8 layers), bf16 + fp8_block, two passes: how much of the 4-layer
 #                                            # slice's FP8 / BF16 gap is the step's shared BF16 part (lm_head, sampler, routing)
@@ -291,6 +294,11 @@ case "${1:-}" in
     timeout 150 $PY experiments/benchmarks/attention.py --skip train --decode-batches 64,256 \
       --decode-lengths 512,1024,4096 --fp8-kv --fp8-converters 1,2 --out "$OUT/attention_fp8_converters_$(card_name).json" \
       2>&1 | quiet | grep -E "^decode.*fp8|rror" ;;
+  wgrad_out)  # (~3 min) the MoE wgrad kernels storing BF16 (out_dtype, the trainer's compute dtype) vs float32: GPU bits, timing
+    timeout 150 $PY -m pytest -q -m gpu tests/pallas_kernels/test_gemm_grouped_wgrad.py -k "bfloat16" -p no:cacheprovider \
+      --tb=short 2>&1 | tee "$OUT/wgrad_out_gpu_tests.log" | tail -3
+    timeout 240 $PY experiments/benchmarks/gemm.py --suites wgrad_out --out "$OUT/gemm_wgrad_out_$(card_name).json" 2>&1 \
+      | quiet | grep -E "wgrad_|rror|copy" ;;
   workload_depth)  # the rollout workload on a deeper Qwen3-30B-A3B-shaped slice, bf16 + fp8_block, two passes
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 560 $PY experiments/benchmarks/rollout_workload.py --layers "${2:-8}" \
       --recipes bf16,fp8_block --schedulers continuous --passes 2 \

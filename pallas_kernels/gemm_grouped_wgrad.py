@@ -20,6 +20,12 @@ kernel on BF16 operands read in place from dy [M, N] / x [M, K] (16-bit wgmma ta
 transposed copy), each 128-row block in two 64-row ring steps chained into one accumulator, the same edge copies.
 `grouped_wgrad_bf16_gather` is its gather-scheme oracle (item-major copies of both operands, the BF16 grouped kernel's
 tile routine): same bits.
+
+Both persistent kernels store float32 or, with `out_dtype=bfloat16`, round each float32 tile to nearest even as they
+store it: the bits of the float32 result cast by XLA, without the float32 [E, N, K] written and read back. The
+trainer asks for its compute dtype (the master's cotangent is cast to it anyway): at Qwen3-30B-A3B's experts the
+float32 gradient of one layer is 2.4 GB a micro-batch, so the store is a large part of the kernel at a few thousand
+tokens a step. The BF16 staging tile also frees 32 KB of shared memory: a fifth ring stage fits.
 """
 
 from __future__ import annotations
@@ -156,8 +162,8 @@ FIRST_BLOCK, COUNT, FIRST_EDGE, LAST_EDGE = range(4)
 class WgradConfig:
     """Tiling of the persistent k-grouped wgrad kernel (`grouped_wgrad_fp8`).
 
-    stages: ring of TMA buffers (33 KB each: two 128x128 e4m3 tiles + 2 x 128 scales); with the 64 KB float32
-      epilogue tile, 4 is the most that fits in 227 KB.
+    stages: ring of TMA buffers (FP8: 33 KB each, two 128x128 e4m3 tiles + 2 x 128 scales; BF16: 32 KB). With the
+      64 KB float32 epilogue tile 4 is the most that fits in 227 KB, with the 32 KB BF16 one (`out_dtype`) 5.
     mask: which operand's boundary blocks come from the pre-masked edge array: "a" (dy^T), "b" (x^T), or "auto"
       (the one with fewer rows, so the edge array is smallest). Either gives the same bits (a foreign row
       contributes an exact zero product either way).
@@ -171,9 +177,11 @@ class WgradConfig:
     k_fastest: bool = True
     blocks_per_step: int = 1
 
-    def check(self, where: str) -> None:
-        if not 2 <= self.stages <= 4:
-            raise ValueError(f"{where}: stages must be 2, 3 or 4 (shared memory); got {self.stages}")
+    def check(self, where: str, out_dtype=F32) -> None:
+        most = max_stages(out_dtype)
+        if not 2 <= self.stages <= most:
+            raise ValueError(f"{where}: stages must be 2 to {most} with a {jnp.dtype(out_dtype).name} output (shared "
+                             f"memory); got {self.stages}")
         if self.mask not in ("a", "b", "auto"):
             raise ValueError(f"{where}: mask must be 'a', 'b' or 'auto'; got {self.mask!r}")
         if self.blocks_per_step not in tma_ring.CHAIN_LENGTHS:
@@ -181,6 +189,24 @@ class WgradConfig:
 
 
 DEFAULT_WGRAD_CONFIG = WgradConfig()
+OUT_DTYPES = (jnp.dtype(F32), jnp.dtype(jnp.bfloat16))
+
+
+def max_stages(out_dtype) -> int:
+    """The deepest ring that fits beside the epilogue's staging tile of `out_dtype` (2 x 64 x 128 elements)."""
+    return 4 if jnp.dtype(out_dtype).itemsize == 4 else 5
+
+
+def _out_dtype(out_dtype, where: str):
+    dtype = jnp.dtype(out_dtype)
+    if dtype not in OUT_DTYPES:
+        raise ValueError(f"{where}: out_dtype must be float32 or bfloat16; got {dtype.name}")
+    return dtype
+
+
+def _out_staging(out_dtype):
+    """The epilogue's staging tile: one 64 x 128 half per compute warpgroup, swizzled for the TMA store."""
+    return plgpu.SMEM((2, TILE // 2, TILE), out_dtype, transforms=_swizzle_transforms(TILE, out_dtype))
 
 
 def expert_table(group_sizes, m: int, num_groups: int):
@@ -381,16 +407,17 @@ def _persistent_kernel(table_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, edge_gmem, 
         plgpu.SMEM((stages, TILE, BLOCK_K), jnp.float8_e4m3fn, transforms=fp8_transforms),
         plgpu.SMEM((stages, TILE), F32),
         plgpu.SMEM((stages, TILE), F32),
-        plgpu.SMEM((2, tm, TILE), F32, transforms=_swizzle_transforms(TILE, F32)),
+        _out_staging(o_gmem.dtype),
         *tma_ring.barriers(stages, loads_per_step=4),
         collective_axes="wg",
     )
 
 
-@traced_once("num_groups", "interpret", "config")
+@traced_once("num_groups", "interpret", "config", "out_dtype")
 def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, interpret: bool = False,
-                      config: WgradConfig | None = None):
-    """float32 [E, N, K]; same contract as `jaxrl_fp8.ops.grouping.grouped_wgrad_fp8`. N, K multiples of 128.
+                      config: WgradConfig | None = None, out_dtype=F32):
+    """[E, N, K] in out_dtype (float32, or bfloat16: the float32 result rounded to nearest even as it is stored); same
+    contract as `jaxrl_fp8.ops.grouping.grouped_wgrad_fp8`. N, K multiples of 128.
 
     The persistent k-grouped kernel: TMA reads each expert's 128-row blocks in place from dyt_q / xt_q (no
     item-major copy); only each expert's first and last block, when shared, come from a small pre-masked copy
@@ -398,8 +425,9 @@ def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups:
     """
     where = "gemm_grouped_wgrad.grouped_wgrad_fp8"
     n, m, k, mb = _check_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups, where)
+    out_dtype = _out_dtype(out_dtype, where)
     cfg = config or DEFAULT_WGRAD_CONFIG
-    cfg.check(where)
+    cfg.check(where, out_dtype)
     mp = mb * BLOCK_K
     if mp != m:  # whole blocks for TMA; the padding columns belong to no expert (work_items clips to m)
         dyt_q, xt_q = (jnp.pad(a, [(0, 0), (0, mp - m)]) for a in (dyt_q, xt_q))
@@ -409,7 +437,7 @@ def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups:
     sa_t = jnp.asarray(dyt_scale, F32).T  # [M/128, N]: a block's scales of one tile are 512 contiguous bytes
     sb_t = jnp.asarray(xt_scale, F32).T
     kernel = functools.partial(_persistent_kernel, cfg=cfg, mask_a=mask_a)
-    out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
+    out = jax.ShapeDtypeStruct((num_groups, n, k), out_dtype)
     return launch_persistent(kernel, out, table, dyt_q, xt_q, sa_t, sb_t, edge, name="gemm_wgrad_fp8", interpret=interpret)
 
 
@@ -479,7 +507,7 @@ def _persistent_bf16_kernel(table_gmem, a_gmem, b_gmem, edge_gmem, o_gmem, *, cf
         scoped,
         plgpu.SMEM((stages, 2, BF16_STEP, tm), jnp.bfloat16, transforms=transforms),
         plgpu.SMEM((stages, BF16_STEP, TILE), jnp.bfloat16, transforms=transforms),
-        plgpu.SMEM((2, tm, TILE), F32, transforms=_swizzle_transforms(TILE, F32)),
+        _out_staging(o_gmem.dtype),
         *tma_ring.barriers(stages, loads_per_step=3),
         collective_axes="wg",
     )
@@ -498,19 +526,21 @@ def _check_bf16(dy, x, group_sizes, num_groups: int, where: str):
     return m, n, k
 
 
-@traced_once("num_groups", "interpret", "config")
+@traced_once("num_groups", "interpret", "config", "out_dtype")
 def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool = False,
-                       config: WgradConfig | None = None):
-    """float32 [E, N, K] = per expert dy[rows]^T . x[rows] with BF16 operands; dy [M, N], x [M, K] sorted by
-    expert, rows past sum(group_sizes) ignored. N and K multiples of 128 (`ops.grouping.grouped_wgrad`'s contract).
+                       config: WgradConfig | None = None, out_dtype=F32):
+    """[E, N, K] = per expert dy[rows]^T . x[rows] with BF16 operands, float32 sums stored in out_dtype (float32, or
+    bfloat16 rounded to nearest even); dy [M, N], x [M, K] sorted by expert, rows past sum(group_sizes) ignored. N
+    and K multiples of 128 (`ops.grouping.grouped_wgrad`'s contract).
 
     The persistent kernel on dy / x as they are (their 128-row blocks read in place by TMA, no transposed copy), only
     the shared end blocks of each expert copied pre-masked. Bits equal `grouped_wgrad_bf16_gather` (same steps, same
     order)."""
     where = "gemm_grouped_wgrad.grouped_wgrad_bf16"
     m, n, k = _check_bf16(dy, x, group_sizes, num_groups, where)
+    out_dtype = _out_dtype(out_dtype, where)
     cfg = config or DEFAULT_WGRAD_CONFIG
-    cfg.check(where)
+    cfg.check(where, out_dtype)
     mp = -(-m // BLOCK_K) * BLOCK_K  # whole blocks for TMA (a copy only when M is not a multiple of 128)
     dy, x = (a.astype(jnp.bfloat16) for a in (dy, x))
     if mp != m:
@@ -519,7 +549,7 @@ def grouped_wgrad_bf16(dy, x, group_sizes, num_groups: int, *, interpret: bool =
     mask_a = cfg.mask == "a" or (cfg.mask == "auto" and n <= k)
     edge = edge_blocks(dy if mask_a else x, items, edge_items, m_axis=0)
     kernel = functools.partial(_persistent_bf16_kernel, cfg=cfg, mask_a=mask_a)
-    out = jax.ShapeDtypeStruct((num_groups, n, k), F32)
+    out = jax.ShapeDtypeStruct((num_groups, n, k), out_dtype)
     return launch_persistent(kernel, out, table, dy, x, edge, name="gemm_wgrad_bf16", interpret=interpret)
 
 

@@ -279,6 +279,7 @@ def moe_decode_suite(copy_tbps):
             try_run(f"ours_grouped_bf16 {label}", bf16)
 
 
+WGRAD_OUT_TOKENS = (16384, 4096)  # tokens a step of the wgrad_out suite (x top-8 routed rows)
 WGRAD_CONFIGS = None  # filled in main(): the persistent kernel's candidate tilings, default first
 
 
@@ -354,6 +355,45 @@ def moe_shapes():
     rng = np.random.default_rng(0)
     sizes = jnp.asarray(rng.multinomial(m, np.ones(e) / e), jnp.int32)
     return e, m, sizes, [("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
+
+
+def wgrad_out_suite():
+    """The MoE wgrad kernels' float32 output against BF16 rounded in the kernel's store (`out_dtype`: what the trainer
+    asks for with BF16 compute weights), at 16384 and 4096 tokens a step (131072 / 32768 routed rows): f32 alone, f32
+    then XLA's convert (the BF16 result as it was made before, in one program), bf16 at 4 and 5 ring stages. Each BF16
+    result is checked bitwise against the float32 one cast."""
+    from pallas_kernels import gemm_grouped_wgrad as GW
+
+    e, _, _, shapes = moe_shapes()
+    bits16 = lambda a: jax.lax.bitcast_convert_type(a.astype(jnp.bfloat16), jnp.uint16)  # noqa: E731
+    for tokens in WGRAD_OUT_TOKENS:
+        m = tokens * 8
+        sizes = jnp.asarray(np.random.default_rng(tokens).multinomial(m, np.ones(e) / e), jnp.int32)
+        for name, n, k in shapes:
+            flops = 2 * m * n * k
+            dy16, x16 = rand(9, (m, n), jnp.bfloat16), rand(10, (m, k), jnp.bfloat16)
+            dq, ds = quantize_fp8_per_token_group(dy16.T, 128)
+            xq, xs = quantize_fp8_per_token_group(x16.T, 128)
+            kernels = (("fp8", GW.grouped_wgrad_fp8, (dq, ds, xq, xs, sizes)), ("bf16", GW.grouped_wgrad_bf16, (dy16, x16, sizes)))
+            for kind, fn, args in kernels:
+                label = f"wgrad_{kind} {name} {tokens} tokens"
+                f32 = jax.jit(functools.partial(fn, num_groups=e))
+                ref = {}
+
+                def base(f32=f32, args=args, label=label, ref=ref):
+                    ref["bits"] = bits16(f32(*args))
+                    record(f"{label} out f32", (m, n, k, e), flops, bench(f32, *args))
+                    cast = jax.jit(lambda *a: f32(*a).astype(jnp.bfloat16))
+                    record(f"{label} out f32 + convert", (m, n, k, e), flops, bench(cast, *args))
+                try_run(f"{label} out f32", base)
+                for stages in (4, 5):
+                    def one(fn=fn, args=args, label=label, ref=ref, stages=stages):
+                        f = jax.jit(functools.partial(fn, num_groups=e, out_dtype=jnp.bfloat16,
+                                                      config=GW.WgradConfig(stages=stages)))
+                        same = bool(jnp.array_equal(bits16(f(*args)), ref["bits"])) if "bits" in ref else None
+                        record(f"{label} out bf16 stages {stages}", (m, n, k, e), flops, bench(f, *args),
+                               bitwise_vs_f32_cast=same)
+                    try_run(f"{label} out bf16 stages {stages}", one)
 
 
 def wgrad_only_suite(quick=False):
@@ -437,7 +477,8 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer variants (first device call)")
     p.add_argument("--suites", default="dense,moe,linear,torch",
-                   help="comma-separated subset of dense,dense_decode,moe,grouped,decode,linear,wgrad,torch (wgrad: the MoE weight gradients alone; "
+                   help="comma-separated subset of dense,dense_decode,moe,grouped,decode,linear,wgrad,wgrad_out,torch (wgrad: the MoE weight gradients alone; "
+                        "wgrad_out: the MoE wgrad kernels' float32 vs BF16 stores (out_dtype) at 16384 / 4096 tokens; "
                         "dense_decode: the decode step's stacked q / k / v and o products at 64 / 256 rows timed inside one "
                         "program, our FP8 kernel's tilings beside our BF16 kernel; "
                         "grouped: our grouped FP8 forward alone, both promotion chains; "
@@ -490,6 +531,9 @@ def main(argv=None):
         save()
     if "wgrad" in suites and "moe" not in suites:
         wgrad_only_suite(args.quick)
+        save()
+    if "wgrad_out" in suites:
+        wgrad_out_suite()
         save()
     if "torch" in suites:
         torch_suite()

@@ -238,6 +238,46 @@ def test_bf16_persistent_lowers_for_cuda():
     assert txt.count("custom_call @mosaic_gpu") == 1
 
 
+BF16 = jnp.bfloat16
+
+
+def _bf16_bits(a):
+    return np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(a, BF16), jnp.uint16))
+
+
+@pytest.mark.parametrize("m,sizes", [RAGGED[0], RAGGED[4], RAGGED[5]])
+@pytest.mark.parametrize("stages", [4, 5])
+def test_bfloat16_output_is_the_float32_result_rounded(m, sizes, stages):
+    """out_dtype=bfloat16: both persistent kernels store the float32 tile rounded to nearest even, bit for bit XLA's
+    convert of their float32 output; the smaller staging tile lets a fifth ring stage fit."""
+    n, k, e = 256, 128, len(sizes)
+    gs = jnp.asarray(sizes, jnp.int32)
+    cfg = W.WgradConfig(stages=stages)
+    dq, ds, xq, xs = _operands(m + 1, m, n, k)
+    f32 = W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, e, interpret=True)
+    got = W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, e, interpret=True, config=cfg, out_dtype=BF16)
+    assert got.dtype == BF16 and got.shape == (e, n, k)
+    np.testing.assert_array_equal(_bf16_bits(got), _bf16_bits(f32.astype(BF16)))
+    dy, x = _bf16_operands(m + 2, m, n, k)
+    f32 = W.grouped_wgrad_bf16(dy, x, gs, e, interpret=True)
+    got = W.grouped_wgrad_bf16(dy, x, gs, e, interpret=True, config=cfg, out_dtype=BF16)
+    assert got.dtype == BF16
+    np.testing.assert_array_equal(_bf16_bits(got), _bf16_bits(f32.astype(BF16)))
+
+
+def test_bfloat16_output_lowers_for_cuda_with_five_stages():
+    e, m, n, k = 8, 4096, 256, 384
+    S = jax.ShapeDtypeStruct
+    cfg = W.WgradConfig(stages=5)
+    fp8 = (S((n, m), jnp.float8_e4m3fn), S((n, m // 128), jnp.float32), S((k, m), jnp.float8_e4m3fn),
+           S((k, m // 128), jnp.float32), S((e,), jnp.int32))
+    bf16 = (S((m, n), BF16), S((m, k), BF16), S((e,), jnp.int32))
+    for fn, avals in ((W.grouped_wgrad_fp8, fp8), (W.grouped_wgrad_bf16, bf16)):
+        call = functools.partial(fn, num_groups=e, config=cfg, out_dtype=BF16)
+        txt = jax.jit(call).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+        assert txt.count("custom_call @mosaic_gpu") == 1
+
+
 def test_clear_errors():
     dq, ds, xq, xs = _operands(0, 64, 128, 128)
     gs = jnp.asarray([64], jnp.int32)
@@ -247,8 +287,12 @@ def test_clear_errors():
         W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 2, interpret=True)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         W.grouped_wgrad_fp8(dq.astype(jnp.float32), ds, xq, xs, gs, 1, interpret=True)
-    with pytest.raises(ValueError, match="stages"):
+    with pytest.raises(ValueError, match="stages must be 2 to 4 with a float32 output"):
         W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 1, interpret=True, config=W.WgradConfig(stages=5))
+    with pytest.raises(ValueError, match="stages must be 2 to 5 with a bfloat16 output"):
+        W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 1, interpret=True, config=W.WgradConfig(stages=6), out_dtype=BF16)
+    with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16; got float16"):
+        W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 1, interpret=True, out_dtype=jnp.float16)
     with pytest.raises(ValueError, match="blocks_per_step must be one of"):
         W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, 1, interpret=True, config=W.WgradConfig(blocks_per_step=4))
     dy, x = _bf16_operands(0, 64, 128, 128)
@@ -310,3 +354,20 @@ def test_gpu_persistent_boundary_cases_same_bits_as_gather_kernel():
         got = W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, e)
         np.testing.assert_array_equal(_bits(got), _bits(W.grouped_wgrad_fp8_gather(dq, ds, xq, xs, gs, e)))
         assert R.rel_err(got, _float64(dq, ds, xq, xs, gs, e, m)) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768)])
+@pytest.mark.parametrize("stages", [4, 5])
+def test_gpu_bfloat16_output_is_the_float32_result_rounded(n, k, stages):
+    e, m = EXPERTS, ROWS
+    gs = jnp.asarray(ragged_sizes(n + 2), jnp.int32)
+    cfg = W.WgradConfig(stages=stages)
+    dq, ds, xq, xs = _operands(3, m, n, k)
+    f32 = W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, e)
+    got = W.grouped_wgrad_fp8(dq, ds, xq, xs, gs, e, config=cfg, out_dtype=BF16)
+    np.testing.assert_array_equal(_bf16_bits(got), _bf16_bits(f32.astype(BF16)))
+    dy, x = _bf16_operands(4, m, n, k)
+    f32 = W.grouped_wgrad_bf16(dy, x, gs, e)
+    got = W.grouped_wgrad_bf16(dy, x, gs, e, config=cfg, out_dtype=BF16)
+    np.testing.assert_array_equal(_bf16_bits(got), _bf16_bits(f32.astype(BF16)))

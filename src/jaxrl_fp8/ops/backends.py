@@ -74,13 +74,15 @@ def resolve_bf16_grouped_wgrad(backend: str | None, n: int, k: int) -> str:
                                                    f"got N={n}, K={k}")
 
 
-def bf16_grouped_wgrad(dy, x, group_sizes, num_groups: int, *, backend: str):
-    """float32 [E, N, K] = per expert dy[rows]^T . x[rows], BF16 operands."""
+def bf16_grouped_wgrad(dy, x, group_sizes, num_groups: int, *, backend: str, out_dtype=jax.numpy.float32):
+    """[E, N, K] = per expert dy[rows]^T . x[rows], BF16 operands, float32 sums rounded to out_dtype (in the kernel's
+    store: the same values as XLA's convert)."""
     if backend == "xla":
-        return grouping.grouped_wgrad(dy, x, group_sizes, num_groups)
+        return grouping.grouped_wgrad(dy, x, group_sizes, num_groups).astype(out_dtype)
     from pallas_kernels import gemm_grouped_wgrad
 
-    return gemm_grouped_wgrad.grouped_wgrad_bf16(dy, x, group_sizes, num_groups, interpret=backend == "interpret")
+    return gemm_grouped_wgrad.grouped_wgrad_bf16(dy, x, group_sizes, num_groups, interpret=backend == "interpret",
+                                                 out_dtype=out_dtype)
 
 
 def bf16_grouped_matmul(x, w, group_sizes, *, backend: str, layout: str = "nk", out_dtype=jax.numpy.float32):

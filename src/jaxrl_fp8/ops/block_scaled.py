@@ -42,13 +42,15 @@ def grouped_block_scaled_matmul(a_q, a_scale, b_q, b_scale, group_sizes, *, back
     )
 
 
-def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, backend: str):
-    """FP8 grouped weight gradient [E, N, K] float32 (operands quantized 1x128 along M)."""
+def grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups: int, *, backend: str,
+                      out_dtype=jax.numpy.float32):
+    """FP8 grouped weight gradient [E, N, K] (operands quantized 1x128 along M): float32 sums rounded to out_dtype
+    (the kernel rounds as it stores, to nearest even like XLA's convert: the same values)."""
     if backend == "xla":
         return grouping.grouped_wgrad_fp8(dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups,
-                                          block_dot=high_precision.block_dot())
+                                          block_dot=high_precision.block_dot()).astype(out_dtype)
     from pallas_kernels import gemm_grouped_wgrad
 
     return gemm_grouped_wgrad.grouped_wgrad_fp8(
-        dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups, interpret=backend == "interpret"
+        dyt_q, dyt_scale, xt_q, xt_scale, group_sizes, num_groups, interpret=backend == "interpret", out_dtype=out_dtype
     )

@@ -229,6 +229,17 @@ def zero_cotangent(w):
     return jax.tree.map(z, w)
 
 
+def cotangent_dtype(w):
+    """The dtype `master_cotangent` gives w's gradient: a wgrad kernel can round to it as it stores (the same values
+    as a float32 result cast afterwards, without the float32 copy in memory). float32 for a QuantizedWeight (its
+    cotangent is zeros: nothing to round)."""
+    if isinstance(w, PreparedWeight):
+        return F32 if w.value is None else w.value.dtype
+    if isinstance(w, QuantizedWeight):
+        return F32
+    return jnp.asarray(w).dtype
+
+
 def master_cotangent(w, dw):
     """dW for the master weight (straight-through the quantizer); QuantizedWeight inputs get zeros, a
     PreparedWeight dW for its value and zeros for its operands."""
