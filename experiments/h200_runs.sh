@@ -60,6 +60,9 @@
 #   bash experiments/h200_runs.sh wgrad_out   # (~3 min) the MoE wgrad kernels (FP8, BF16) storing BF16 as they finish a tile
 #                                            # (out_dtype: the trainer's compute dtype) vs float32 (+ XLA's convert), 4 / 5
 #                                            # stages, 16384 / 4096 tokens; GPU bit tests -> $OUT/gemm_wgrad_out_<card>.json
+#   bash experiments/h200_runs.sh optimizer_step  # (~1 min) the update's non-finite skip: rl.trainer.apply_if_finite (a cond
+#                                            # around AdamW) vs the where over both trees it replaced, 0.5 B float32 masters
+#                                            # -> $OUT/optimizer_step_<card>.json
 #   bash experiments/h200_runs.sh workload_depth [LAYERS]  # (~7 min estimated at 8) the rollout workload on a deeper
 #                                            # slice (default 8 layers), bf16 + fp8_block, two passes: how much of the 4-layer
 #                                            # slice's FP8 / BF16 gap is the step's shared BF16 part (lm_head, sampler, routing)
@@ -299,6 +302,9 @@ case "${1:-}" in
       --tb=short 2>&1 | tee "$OUT/wgrad_out_gpu_tests.log" | tail -3
     timeout 240 $PY experiments/benchmarks/gemm.py --suites wgrad_out --out "$OUT/gemm_wgrad_out_$(card_name).json" 2>&1 \
       | quiet | grep -E "wgrad_|rror|copy" ;;
+  optimizer_step)  # (~1 min) AdamW's non-finite skip, cond vs where, 0.5 B float32 masters (6 GB of state, fits an H100)
+    timeout 120 $PY experiments/benchmarks/optimizer_step.py --params 536870912 --leaves 4 \
+      --out "$OUT/optimizer_step_$(card_name).json" 2>&1 | quiet | tail -5 ;;
   workload_depth)  # the rollout workload on a deeper Qwen3-30B-A3B-shaped slice, bf16 + fp8_block, two passes
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 560 $PY experiments/benchmarks/rollout_workload.py --layers "${2:-8}" \
       --recipes bf16,fp8_block --schedulers continuous --passes 2 \

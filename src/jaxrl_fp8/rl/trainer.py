@@ -37,7 +37,23 @@ from jaxrl_fp8.rl.token_stats import chunked_token_stats, token_stats
 # The rollout's log-prob convention (log_softmax(logits / T), row invariant): one definition for sampler and learner.
 from jaxrl_fp8.rollout.types import SamplingParams, prompt_seed
 
-__all__ = ["TrainerSettings", "Trainer", "make_optimizer"]
+__all__ = ["TrainerSettings", "Trainer", "apply_if_finite", "make_optimizer"]
+
+
+def apply_if_finite(optimizer, grads, params, opt_state, finite):
+    """(params, opt_state) after one `optimizer` step on `grads` where `finite`, else as they were, bit for bit.
+
+    A `lax.cond`, not a `where` over the updated and the old trees: the `where` is one more pass over every master and
+    moment (and keeps both trees alive: copies of the donated buffers), while the cond's identity branch returns the
+    donated buffers untouched and its update branch writes them in place (experiments/benchmarks/optimizer_step.py
+    times both)."""
+
+    def step(state):
+        params, opt_state = state
+        updates, new_opt = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt
+
+    return jax.lax.cond(finite, step, lambda state: state, (params, opt_state))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,21 +255,12 @@ class Trainer:
         return jnp.sum(losses), combine_micro_metrics(per_micro, counts), grads
 
     def _update(self, params, opt_state, mb, num_tokens):
-        """One optimizer update; a non-finite loss or gradient leaves the masters and the optimizer state as they were.
-
-        The skip is a `lax.cond`, not a `where` over the updated and the old trees: the `where` is one more pass over
-        every master and moment (and keeps both trees alive: copies of the donated buffers), while the cond's identity
-        branch returns the donated buffers untouched and its update branch writes them in place."""
+        """One optimizer update; a non-finite loss or gradient leaves the masters and the optimizer state as they were
+        (`apply_if_finite`)."""
         loss, metrics, grads = self._grads(params, mb, num_tokens)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-        def step(state):
-            params, opt_state = state
-            updates, new_opt = self.optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), new_opt
-
-        new_params, new_opt = jax.lax.cond(finite, step, lambda state: state, (params, opt_state))
+        new_params, new_opt = apply_if_finite(self.optimizer, grads, params, opt_state, finite)
         metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite.astype(jnp.float32))
         return new_params, new_opt, metrics
 
