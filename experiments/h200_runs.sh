@@ -71,6 +71,8 @@
 #                                            # step (XLA's default) vs one CUDA graph with conditional nodes
 #                                            # (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL), bf16 + fp8_block;
 #                                            # measured 2026-12-07: no difference
+#   bash experiments/h200_runs.sh unmeasured # (~7 min) wgrad_out, optimizer_step, fp8_converters in one call (this tree's
+#                                            # changes that no GPU has run yet)
 #   bash experiments/h200_runs.sh pending    # (~9 min) what the last build left unmeasured: the rollout workload, three
 #                                            # recipes, two passes (fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2)
 #   bash experiments/h200_runs.sh pending_decode  # (~6 min) the rollout side at once: the
@@ -288,6 +290,9 @@ case "${1:-}" in
       --out "$OUT/vocab_side_$(card_name).json" 2>&1 | quiet | grep -E "^noise|rror"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${2:-330}" $PY experiments/benchmarks/rollout_workload.py \
       --recipes bf16,fp8_block --schedulers continuous --out "$OUT/rollout_workload_$(card_name).json" 2>&1 | quiet | tail -14 ;;
+  unmeasured)  # (~7 min) what this tree changed without a GPU, most important first: the wgrad kernels' BF16 store (on by
+               # default in the trainer: its GPU bits), the optimizer's skip, then the two-converter FP8 pages candidate
+    bash "$0" wgrad_out; bash "$0" optimizer_step; bash "$0" fp8_converters ;;
   pending)  # (~9 min) the rollout workload with three recipes, two passes, and the decode step as the difference of a
             # 64- and a 32-token run (medians of three), decode loops split from the rest of each pass
     bash "$0" fp8_kv_workload 560 bf16,fp8_block_kv,fp8_block 2 ;;
