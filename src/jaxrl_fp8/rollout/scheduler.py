@@ -37,6 +37,7 @@ import dataclasses
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxrl_fp8.model.cache import PagePool, pages_for
@@ -127,7 +128,7 @@ class ContinuousScheduler:
                 # dispatched since the last look (device), collecting finished rows (one read of their tokens), and
                 # the host's admission work (building and dispatching prefills and placements)
                 t_sync = time.perf_counter()
-                done, count = np.asarray(self.s.done), np.asarray(self.s.count)
+                done, count = jax.device_get((self.s.done, self.s.count))  # both copies started, then one wait
                 t_collect = time.perf_counter()
                 st["sync_seconds"] += t_collect - t_sync
                 finished = self._collect(done, count)
@@ -176,9 +177,8 @@ class ContinuousScheduler:
         n = self.slots if self.engine.config.static_shapes else _bucket(len(fin), min(8, self.slots), self.slots)
         idx = np.zeros((n,), np.int32)
         idx[: len(fin)] = fin
-        tokens, logprobs, routed = programs.take_rows(self.s, idx, with_routed=self.want_routed)
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-        routed = None if routed is None else np.asarray(routed)
+        # one device_get: the copies of all three start before the first is waited for (not one round trip each)
+        tokens, logprobs, routed = jax.device_get(programs.take_rows(self.s, idx, with_routed=self.want_routed))
         rows_done = []
         for j, slot in enumerate(fin):
             r = self.slot_row[slot]
