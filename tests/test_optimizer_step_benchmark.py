@@ -17,5 +17,5 @@ def test_both_forms_timed_and_bitwise_equal(tmp_path):
     assert saved["params"] == 30000 and saved["device"]["platform"] == "cpu"
     assert set(saved["forms"]) == {"where", "cond"}
     assert all(r["median_ms"] > 0 for r in saved["forms"].values())
-    assert saved["same_bits"] == {"finite": True, "nan": True}
+    assert saved["same_bits"] == {"finite": True, "clipped": True, "nan": True}
     assert result["cond_speedup"] == saved["cond_speedup"]

@@ -114,6 +114,27 @@ def test_non_finite_update_keeps_masters_and_optimizer_state():
     assert int(jax.tree.leaves(o2)[0]) == 1  # adam's count: the skipped update did not count
 
 
+@pytest.mark.parametrize("scale", [1e-3, 10.0])  # under and over the clip's norm
+def test_clip_by_global_norm_gives_optaxs_bits_and_state(scale):
+    """The trainer's clip (which takes the norm the update already computed) is optax's: same updates bit for bit,
+    with the norm passed or not, and the same state tree (checkpoints written with optax's clip restore)."""
+    from jaxrl_fp8.rl.trainer import clip_by_global_norm
+
+    rng = np.random.default_rng(3)
+    grads = {"a": jnp.asarray(rng.standard_normal((37, 5)) * scale, jnp.float32),
+             "b": jnp.asarray(rng.standard_normal((11,)) * scale, jnp.float32)}
+    ours, theirs = optax.chain(clip_by_global_norm(1.0), optax.adam(1e-2)), optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    s_ours, s_theirs = ours.init(grads), theirs.init(grads)
+    assert jax.tree.structure(s_ours) == jax.tree.structure(s_theirs)
+    want, _ = jax.jit(theirs.update)(grads, s_theirs, grads)
+    # the norm passed as the trainer computes it: in the same program, from the same gradient tree
+    for pass_norm in (False, True):
+        update = lambda g, s, p, n=pass_norm: ours.update(g, s, p, **({"global_norm": optax.tree.norm(g)} if n else {}))  # noqa: E731
+        got, _ = jax.jit(update)(grads, s_ours, grads)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_old_logprobs_with_chunked_logits_match():
     loss = LOSSES["token_mean_tis"]
     whole, chunked = _trainer(0, loss), _trainer(0, loss, logit_chunk=5)

@@ -37,23 +37,42 @@ from jaxrl_fp8.rl.token_stats import chunked_token_stats, token_stats
 # The rollout's log-prob convention (log_softmax(logits / T), row invariant): one definition for sampler and learner.
 from jaxrl_fp8.rollout.types import SamplingParams, prompt_seed
 
-__all__ = ["TrainerSettings", "Trainer", "apply_if_finite", "make_optimizer"]
+__all__ = ["TrainerSettings", "Trainer", "apply_if_finite", "clip_by_global_norm", "make_optimizer"]
 
 
-def apply_if_finite(optimizer, grads, params, opt_state, finite):
+def apply_if_finite(optimizer, grads, params, opt_state, finite, global_norm=None):
     """(params, opt_state) after one `optimizer` step on `grads` where `finite`, else as they were, bit for bit.
 
     A `lax.cond`, not a `where` over the updated and the old trees: the `where` is one more pass over every master and
     moment (and keeps both trees alive: copies of the donated buffers), while the cond's identity branch returns the
     donated buffers untouched and its update branch writes them in place (experiments/benchmarks/optimizer_step.py
-    times both)."""
+    times both). `global_norm`, the caller's norm of `grads`, reaches the optimizer as an extra argument
+    (`clip_by_global_norm`): XLA does not share a computation across the cond's boundary, so the clip would otherwise
+    read every gradient again inside the branch."""
+    optimizer = optax.with_extra_args_support(optimizer)
+    extra = {} if global_norm is None else {"global_norm": global_norm}
 
     def step(state):
         params, opt_state = state
-        updates, new_opt = optimizer.update(grads, opt_state, params)
+        updates, new_opt = optimizer.update(grads, opt_state, params, **extra)
         return optax.apply_updates(params, updates), new_opt
 
     return jax.lax.cond(finite, step, lambda state: state, (params, opt_state))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """`optax.clip_by_global_norm`'s clip (the same ops, so the same bits, and the same empty state, so the same
+    checkpoints) that takes the updates' global norm as the extra argument `global_norm` when the caller has it
+    (`apply_if_finite`), else computes it."""
+
+    def update_fn(updates, state, params=None, *, global_norm=None, **extra_args):
+        del params, extra_args
+        g_norm = optax.tree.norm(updates) if global_norm is None else global_norm
+        trigger = jnp.squeeze(g_norm < max_norm)
+        clip = lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)  # noqa: E731
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +123,7 @@ def make_optimizer(rl_cfg, total_updates: int) -> tuple[optax.GradientTransforma
         schedule = optax.linear_schedule(0.0, lr, rl_cfg.warmup_steps)
     else:
         schedule = optax.constant_schedule(lr)
-    chain = [optax.clip_by_global_norm(rl_cfg.grad_clip)] if rl_cfg.grad_clip > 0 else []
+    chain = [clip_by_global_norm(rl_cfg.grad_clip)] if rl_cfg.grad_clip > 0 else []
     chain.append(optax.adamw(schedule, b1=rl_cfg.adam_b1, b2=rl_cfg.adam_b2, eps=rl_cfg.adam_eps, weight_decay=rl_cfg.weight_decay))
     return optax.chain(*chain), schedule
 
@@ -260,7 +279,7 @@ class Trainer:
         loss, metrics, grads = self._grads(params, mb, num_tokens)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        new_params, new_opt = apply_if_finite(self.optimizer, grads, params, opt_state, finite)
+        new_params, new_opt = apply_if_finite(self.optimizer, grads, params, opt_state, finite, grad_norm)
         metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite.astype(jnp.float32))
         return new_params, new_opt, metrics
 
