@@ -90,12 +90,6 @@ def _rows_in_groups(a, gs):
     return jnp.where(live[:, None], a, jnp.zeros_like(a))
 
 
-def _wgrad_dtype(w):
-    """BF16 where the weight's cotangent is BF16 (the wgrad kernels round as they store: no float32 [E, N, K] in
-    memory), else float32 (cast by `master_cotangent`)."""
-    return jnp.bfloat16 if O.cotangent_dtype(w) == jnp.bfloat16 else jnp.float32
-
-
 def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
     x, w, gs, kept = res
     e, n, k = w.shape
@@ -111,12 +105,12 @@ def _grouped_bwd(fmt, backward, backend, out_dtype, res, g):
         gtq, sgt = O.fp8_act_transposed(g, be)
         xtq, sxt = O.fp8_act_transposed(xm, be)
         dw = block_scaled.grouped_wgrad_fp8(gtq, sgt, xtq, sxt, gs, e, backend=be_fwd,  # [E, N, K]: the weight's shape
-                                            out_dtype=_wgrad_dtype(w))
+                                            out_dtype=O.wgrad_dtype(w))
     else:
         a, b = O.backward_operands(backward, fmt, x, w, kept)
         dx = _bf16_dot(g, b, gs, backend, layout="kn")
         dw = backends.bf16_grouped_wgrad(g, a, gs, e, backend=backends.resolve_bf16_grouped_wgrad(backend, n, k),
-                                         out_dtype=_wgrad_dtype(w))
+                                         out_dtype=O.wgrad_dtype(w))
     return dx.astype(x.dtype), O.master_cotangent(w, dw), None, None
 
 

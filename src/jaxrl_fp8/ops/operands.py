@@ -229,15 +229,17 @@ def zero_cotangent(w):
     return jax.tree.map(z, w)
 
 
-def cotangent_dtype(w):
-    """The dtype `master_cotangent` gives w's gradient: a wgrad kernel can round to it as it stores (the same values
-    as a float32 result cast afterwards, without the float32 copy in memory). float32 for a QuantizedWeight (its
-    cotangent is zeros: nothing to round)."""
+def wgrad_dtype(w):
+    """The dtype a weight-gradient kernel stores w's gradient in: BF16 where `master_cotangent` rounds it to BF16
+    anyway (the trainer's compute weights; the kernel rounds as it stores, the same values without a float32 copy in
+    memory), else float32 (a QuantizedWeight's cotangent is zeros: nothing to round)."""
     if isinstance(w, PreparedWeight):
-        return F32 if w.value is None else w.value.dtype
-    if isinstance(w, QuantizedWeight):
-        return F32
-    return jnp.asarray(w).dtype
+        dtype = F32 if w.value is None else w.value.dtype
+    elif isinstance(w, QuantizedWeight):
+        dtype = F32
+    else:
+        dtype = jnp.asarray(w).dtype
+    return jnp.bfloat16 if dtype == jnp.bfloat16 else F32
 
 
 def master_cotangent(w, dw):
